@@ -1,0 +1,84 @@
+"""The ``lingctl`` command: registers the tools; ``main`` turns errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Annotated
+
+import typer
+
+from lingctl.commands import planned
+from lingctl.commands.doctor import doctor
+from lingctl.commands.version import version
+from lingctl.core.errors import EXIT_ERROR, EXIT_USAGE, LingctlError
+from lingctl.core.logs import level_from, setup_logging
+
+app = typer.Typer(
+    name="lingctl",
+    help="Train, move, watch, checkpoint and serve Ling-style Mixture-of-Experts models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def root(
+    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More logging (-vv for debug).")] = 0,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Only errors on stderr.")] = False,
+) -> None:
+    setup_logging(level_from(verbose, quiet))
+
+
+app.command("doctor")(doctor)
+app.command("version")(version)
+planned.register(app)
+
+
+def _fail(message: str, hint: str | None, code: int) -> int:
+    sys.stderr.write(f"lingctl: error: {message}\n")
+    if hint:
+        sys.stderr.write(f"hint: {hint}\n")
+    sys.stderr.flush()
+    return code
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` and return the exit code (``main`` exits with it)."""
+    debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="lingctl", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except LingctlError as err:
+        if debug:
+            traceback.print_exc()
+        return _fail(err.message, err.hint, err.exit_code)
+    except typer.Abort:
+        return _fail("aborted", None, 130)
+    except typer.TyperException as err:  # usage errors from parsing: bad flags, missing arguments
+        if type(err).__name__ == "NoArgsIsHelpError":  # a group called bare: its help is the answer
+            sys.stderr.write(err.format_message() + "\n")
+            return 0
+        ctx = getattr(err, "ctx", None)
+        hint = f"try '{ctx.command_path} --help'" if ctx is not None else "try 'lingctl --help'"
+        message = " ".join(err.format_message().split())  # always one line
+        return _fail(message, hint, getattr(err, "exit_code", EXIT_USAGE))
+    except KeyboardInterrupt:
+        return _fail("interrupted", None, 130)
+    except BrokenPipeError:
+        # The reader went away (``lingctl ... | head``); not an error worth a message.
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush at exit
+        return EXIT_ERROR
+    except Exception as err:  # a bug: one line for users, the traceback with LINGCTL_DEBUG=1
+        if debug:
+            traceback.print_exc()
+        return _fail(f"internal error: {type(err).__name__}: {err}",
+                     "re-run with LINGCTL_DEBUG=1 for the traceback, and report it", EXIT_ERROR)
+
+
+def main() -> None:
+    sys.exit(run())

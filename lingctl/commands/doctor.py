@@ -1,0 +1,58 @@
+"""`lingctl doctor`: report what this machine offers and whether storage answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
+from lingctl.core.doctor import DoctorReport, run_doctor
+from lingctl.core.output import Output
+from lingctl.core.units import parse_size
+
+_MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def doctor(
+    probe: Annotated[str | None, typer.Option(
+        "--probe", metavar="URL",
+        help="Round-trip a test object through URL (s3://bucket/prefix or a path): put, list, get, verify, delete.")] = None,
+    probe_size: Annotated[str, typer.Option("--probe-size", metavar="SIZE", help="Size of the probe object.")] = "8MiB",
+    path: Annotated[Path, typer.Option("--path", help="Where to check free disk space.")] = Path("."),
+    endpoint_url: EndpointOpt = None,
+    region: RegionOpt = None,
+    profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None,
+    retries: RetriesOpt = 3,
+    json: JsonOpt = False,
+) -> None:
+    """Check Python, torch and devices, CPU, memory, disk, rclone and the S3 endpoint; optionally probe a store.
+
+    Exits with the code of the first failed check (5: endpoint unreachable, 3: bucket missing, 1: credentials).
+    """
+    out = Output(json)
+    size = parse_size(probe_size)
+    report = run_doctor(s3=s3_options(endpoint_url, region, profile, path_style, retries), disk_path=path,
+                        probe_url=probe, probe_size=size)
+    out.result(report.to_json(), lambda console: _render(report, console))
+    if report.first_error is not None:
+        raise report.first_error
+
+
+def _render(report: DoctorReport, console: Console) -> None:
+    table = Table(title=f"lingctl {report.lingctl}", show_header=False, box=None, pad_edge=False)
+    for check in report.checks:
+        table.add_row(check.name, f"[{_STYLE[check.status]}]{_MARK[check.status]}[/]", check.detail)
+    console.print(table)
+    if report.probe is not None:
+        steps = Table(title=f"round trip {report.probe.url}", box=None, pad_edge=False)
+        for column in ("step", "ms", "result"):
+            steps.add_column(column)
+        for step in report.probe.steps:
+            steps.add_row(step.step, f"{step.seconds * 1000:.1f}", step.detail)
+        console.print(steps)

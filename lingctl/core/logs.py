@@ -1,0 +1,39 @@
+"""Logging set-up, done once by ``lingctl.cli.main``. Library code only calls ``logging.getLogger(__name__)``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def level_from(verbose: int, quiet: bool) -> int:
+    """-v gives INFO, -vv DEBUG, -q only errors; LINGCTL_LOG_LEVEL wins when set (useful under torchrun)."""
+    env = os.environ.get("LINGCTL_LOG_LEVEL", "").strip().lower()
+    if env in _LEVELS:
+        return _LEVELS[env]
+    if quiet:
+        return logging.ERROR
+    return {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+
+
+def setup_logging(level: int = logging.WARNING) -> None:
+    """Log to stderr: Rich formatting on a terminal, plain ``lingctl: LEVEL name: message`` lines otherwise."""
+    root = logging.getLogger("lingctl")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("lingctl: %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    # Our records stop here; botocore and friends keep their own (quiet) defaults.
+    root.propagate = False

@@ -1,0 +1,96 @@
+"""`lingctl doctor` against a real S3 server: the report, the probe, and the documented exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lingctl.core.net import free_port
+
+
+def one_line_error(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert lines and lines[0].startswith("lingctl: error: "), stderr
+    assert len(lines) <= 2 and all(line.startswith(("lingctl: error: ", "hint: ")) for line in lines), stderr
+    return lines[0]
+
+
+def test_report_json(lingctl, tmp_path) -> None:
+    r = lingctl("doctor", "--json", "--path", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["ok"] is True
+    assert checks["torch"]["data"]["version"].startswith("2.")
+    assert checks["cpu"]["data"]["logical_cores"] >= 1
+    assert checks["disk"]["data"]["free_gib"] > 0
+    assert checks["rclone"]["status"] == "ok"
+    assert checks["s3"]["status"] == "skip"  # nothing configured in the test environment
+
+
+def test_human_report(lingctl) -> None:
+    r = lingctl("doctor")
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "rclone" in r.stdout
+
+
+@pytest.mark.slow
+def test_probe_round_trip_through_s3(lingctl, s3_env, s3_bucket, s3_server) -> None:
+    r = lingctl("doctor", "--json", "--probe", f"s3://{s3_bucket}/probe", "--probe-size", "2MiB", env=s3_env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["probe"]["verified"] is True
+    assert [s["step"] for s in report["probe"]["steps"]] == ["put", "list", "get", "verify", "download", "delete"]
+    assert {c["name"]: c["status"] for c in report["checks"]}["s3"] == "ok"
+    assert list((s3_server.root / s3_bucket).rglob("*.bin")) == []  # the probe object was removed
+
+
+def test_probe_round_trip_local(lingctl, tmp_path) -> None:
+    r = lingctl("doctor", "--json", "--probe", str(tmp_path / "store"), "--probe-size", "100KiB")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["probe"]["size"] == 100 * 1024
+    assert list((tmp_path / "store").iterdir()) == []
+
+
+def test_missing_bucket_exits_3(lingctl, s3_env) -> None:
+    r = lingctl("doctor", "--probe", "s3://no-such-bucket/x", env=s3_env)
+    assert r.returncode == 3
+    assert "no-such-bucket" in one_line_error(r.stderr)
+
+
+def test_wrong_credentials_exit_1_without_the_secret(lingctl, s3_env, s3_bucket) -> None:
+    env = {**s3_env, "AWS_SECRET_ACCESS_KEY": "definitely-wrong-secret"}
+    r = lingctl("doctor", "--json", "--probe", f"s3://{s3_bucket}", env=env)
+    assert r.returncode == 1
+    assert "credentials" in one_line_error(r.stderr)
+    assert "definitely-wrong-secret" not in r.stderr + r.stdout
+    assert json.loads(r.stdout)["ok"] is False  # the report still comes, on stdout
+
+
+def test_unreachable_endpoint_exits_5(lingctl, s3_env) -> None:
+    r = lingctl("doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "2", env=s3_env)
+    assert r.returncode == 5
+    assert "could not reach S3 endpoint" in one_line_error(r.stderr)
+
+
+@pytest.mark.parametrize("args", [["--probe", "s3://"], ["--probe", "ftp://x/y"], ["--endpoint-url", "not-a-url"],
+                                  ["--probe-size", "lots"]])
+def test_bad_input_exits_2(lingctl, s3_env, args) -> None:
+    r = lingctl("doctor", *args, env=s3_env)
+    assert r.returncode == 2
+    one_line_error(r.stderr)
+
+
+def test_unreachable_endpoint_without_credentials_still_exits_5(lingctl, s3_env) -> None:
+    env = {k: v for k, v in s3_env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    r = lingctl("doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "1", env=env)
+    assert r.returncode == 5
+    one_line_error(r.stderr)
+
+
+def test_endpoint_without_credentials_exits_1(lingctl, s3_env) -> None:
+    env = {k: v for k, v in s3_env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
+    r = lingctl("doctor", env=env)
+    assert r.returncode == 1
+    assert "no S3 credentials" in one_line_error(r.stderr)

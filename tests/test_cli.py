@@ -1,0 +1,59 @@
+"""The CLI shell, through real subprocesses: exit codes, one-line errors, --json on stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lingctl import __version__
+
+
+def test_version_json(lingctl) -> None:
+    r = lingctl("version", "--json")
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["lingctl"] == __version__
+    assert r.stderr == ""
+
+
+def test_console_script_and_help() -> None:
+    exe = __import__("pathlib").Path(sys.executable).parent / "lingctl"
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for name in ("train", "babel", "timer", "pcache", "flood", "doctor", "version"):
+        assert name in r.stdout
+
+
+def test_unknown_command_is_a_one_line_usage_error(lingctl) -> None:
+    r = lingctl("frobnicate")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("lingctl: error: ") and "frobnicate" in lines[0]
+    assert len(lines) <= 2 and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_unknown_option_is_a_usage_error(lingctl) -> None:
+    r = lingctl("doctor", "--no-such-flag")
+    assert r.returncode == 2
+    assert "--no-such-flag" in r.stderr.splitlines()[0]
+    assert "hint: try 'lingctl doctor --help'" in r.stderr
+
+
+@pytest.mark.parametrize("tool", ["train", "babel", "timer", "pcache", "flood"])
+def test_tools_not_in_this_release_say_so(lingctl, tool: str) -> None:
+    r = lingctl(tool, "some", "--args")
+    assert r.returncode == 1
+    assert f"'lingctl {tool}' is not available in this release yet" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_variable_shows_traceback(lingctl, monkeypatch, tmp_path) -> None:
+    import os
+
+    env = {**os.environ, "LINGCTL_DEBUG": "1"}
+    r = lingctl("doctor", "--probe", "gs://bucket/x", env=env)
+    assert r.returncode == 2
+    assert "Traceback" in r.stderr and "unsupported URL scheme 'gs'" in r.stderr
