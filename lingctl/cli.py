@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from lingctl import __version__
 from lingctl.commands import planned
 from lingctl.commands.doctor import doctor
 from lingctl.commands.version import version
@@ -25,10 +26,18 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"lingctl {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More logging (-vv for debug).")] = 0,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Only errors on stderr.")] = False,
+    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit.")] = False,
 ) -> None:
     setup_logging(level_from(verbose, quiet))
 
@@ -61,7 +70,7 @@ def run(argv: list[str] | None = None) -> int:
         return _fail("aborted", None, 130)
     except typer.TyperException as err:  # usage errors from parsing: bad flags, missing arguments
         if type(err).__name__ == "NoArgsIsHelpError":  # a group called bare: its help is the answer
-            sys.stderr.write(err.format_message() + "\n")
+            sys.stdout.write(err.format_message() + "\n")
             return 0
         ctx = getattr(err, "ctx", None)
         hint = f"try '{ctx.command_path} --help'" if ctx is not None else "try 'lingctl --help'"

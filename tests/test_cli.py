@@ -57,3 +57,14 @@ def test_debug_variable_shows_traceback(lingctl, monkeypatch, tmp_path) -> None:
     r = lingctl("doctor", "--probe", "gs://bucket/x", env=env)
     assert r.returncode == 2
     assert "Traceback" in r.stderr and "unsupported URL scheme 'gs'" in r.stderr
+
+
+def test_version_flag(lingctl) -> None:
+    r = lingctl("--version")
+    assert (r.returncode, r.stdout.strip()) == (0, f"lingctl {__version__}")
+
+
+def test_python_dash_m_and_bare_call_shows_help(lingctl) -> None:
+    r = lingctl()
+    assert r.returncode == 0
+    assert "doctor" in r.stdout + r.stderr

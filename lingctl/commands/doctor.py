@@ -11,9 +11,11 @@ from rich.table import Table
 
 from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
 from lingctl.core.doctor import DoctorReport, run_doctor
+from lingctl.core.errors import UsageError
 from lingctl.core.output import Output
 from lingctl.core.units import parse_size
 
+_MAX_PROBE = 1 << 30
 _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
@@ -37,6 +39,8 @@ def doctor(
     """
     out = Output(json)
     size = parse_size(probe_size)
+    if size > _MAX_PROBE:
+        raise UsageError(f"--probe-size {probe_size} is larger than the 1 GiB limit (the probe is held in memory)")
     report = run_doctor(s3=s3_options(endpoint_url, region, profile, path_style, retries), disk_path=path,
                         probe_url=probe, probe_size=size)
     out.result(report.to_json(), lambda console: _render(report, console))

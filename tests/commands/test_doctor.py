@@ -75,7 +75,7 @@ def test_unreachable_endpoint_exits_5(lingctl, s3_env) -> None:
 
 
 @pytest.mark.parametrize("args", [["--probe", "s3://"], ["--probe", "ftp://x/y"], ["--endpoint-url", "not-a-url"],
-                                  ["--probe-size", "lots"]])
+                                  ["--probe-size", "lots"], ["--probe-size", "2GiB"], ["--retries", "0"]])
 def test_bad_input_exits_2(lingctl, s3_env, args) -> None:
     r = lingctl("doctor", *args, env=s3_env)
     assert r.returncode == 2
@@ -94,3 +94,11 @@ def test_endpoint_without_credentials_exits_1(lingctl, s3_env) -> None:
     r = lingctl("doctor", env=env)
     assert r.returncode == 1
     assert "no S3 credentials" in one_line_error(r.stderr)
+
+
+def test_probe_below_a_file_is_a_one_line_error(lingctl, tmp_path) -> None:
+    (tmp_path / "file.txt").write_text("keep me")
+    r = lingctl("doctor", "--probe", str(tmp_path / "file.txt" / "store"))
+    assert r.returncode == 2
+    assert "not a directory" in one_line_error(r.stderr)
+    assert (tmp_path / "file.txt").read_text() == "keep me"
