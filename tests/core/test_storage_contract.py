@@ -135,3 +135,30 @@ def test_s3_multipart_upload_round_trip(s3_bucket: str, tmp_path: Path) -> None:
     assert store.stat("big.bin").checksum == crc64_bytes(payload).tagged()
     store.download("big.bin", tmp_path / "back.bin")
     assert (tmp_path / "back.bin").read_bytes() == payload
+
+
+def test_read_past_the_end_is_empty(store: ObjectStore) -> None:
+    store.write("k", b"abc")
+    assert store.read("k", 3) == b""
+    assert store.read("k", 10, 5) == b""
+    assert store.read("k", 1, 100) == b"bc"
+
+
+def test_local_listing_skips_broken_links_and_prunes(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path))
+    store.write("keep/a", b"1")
+    store.write("other/b", b"2")
+    (tmp_path / "keep" / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "keep" / "loop").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "keep" / "link-to-a").symlink_to(tmp_path / "keep" / "a")
+    assert [o.key for o in store.list("keep/")] == ["keep/a", "keep/link-to-a"]
+    assert [(o.key, o.is_dir) for o in store.list("keep", recursive=False)] == [("keep/a", False),
+                                                                                ("keep/link-to-a", False)]
+
+
+def test_empty_object(store: ObjectStore, tmp_path: Path) -> None:
+    info = store.write("empty", b"")
+    assert info.size == 0 and store.stat("empty").size == 0
+    assert store.read("empty") == b"" and store.read("empty", 0, 10) == b""
+    store.download("empty", tmp_path / "empty.out")
+    assert (tmp_path / "empty.out").read_bytes() == b""

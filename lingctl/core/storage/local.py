@@ -42,22 +42,22 @@ class LocalStore(ObjectStore):
         if not recursive:
             yield from self._list_dir(prefix)
             return
-        # Start from the deepest directory the prefix names, then filter by the rest of the prefix.
+        # Start from the deepest directory the prefix names; _walk prunes subtrees outside the prefix.
         base, _, _ = prefix.rpartition("/")
         start = self.root / base if base else self.root
-        for info in self._walk(start, f"{base}/" if base else ""):
-            if info.key.startswith(prefix):
-                yield info
+        yield from self._walk(start, f"{base}/" if base else "", prefix)
 
-    def _walk(self, directory: Path, key_prefix: str) -> Iterator[ObjectInfo]:
-        # Sorting directories by name + "/" makes this depth-first walk emit keys in global byte order:
-        # "a-b" (0x2d) sorts before "a/x" (0x2f) just as it does in an S3 listing.
+    def _entries(self, directory: Path) -> list[tuple[str, os.DirEntry, bool]]:
+        """(sort name, entry, is_dir) for the objects and subdirectories of ``directory``, in key order.
+
+        Sorting directories by name + "/" makes a depth-first walk emit keys in global byte order: "a-b"
+        (0x2d) sorts before "a/x" (0x2f), just as in an S3 listing. Symlinked directories are not followed
+        (no loops); symlinks to files are listed as the files they point to; broken links are skipped.
+        """
         try:
             entries = list(os.scandir(directory))
-        except FileNotFoundError:
-            return
-        except NotADirectoryError:
-            return
+        except (FileNotFoundError, NotADirectoryError):
+            return []
         except OSError as exc:
             raise os_error(exc, str(directory)) from exc
         keyed = []
@@ -67,39 +67,37 @@ class LocalStore(ObjectStore):
             try:
                 if entry.is_dir(follow_symlinks=False):
                     keyed.append((entry.name + "/", entry, True))
-                elif entry.is_file():  # follows symlinks to files, as rclone -L would for files
+                elif entry.is_file():
                     keyed.append((entry.name, entry, False))
             except OSError:
                 continue
         keyed.sort(key=lambda t: t[0])
-        for name, entry, is_dir in keyed:
+        return keyed
+
+    def _walk(self, directory: Path, key_prefix: str, prefix: str) -> Iterator[ObjectInfo]:
+        for name, entry, is_dir in self._entries(directory):
+            key = key_prefix + name
+            if not (key.startswith(prefix) or (is_dir and prefix.startswith(key))):
+                continue
             if is_dir:
-                yield from self._walk(Path(entry.path), key_prefix + name)
-            else:
-                try:
-                    st = entry.stat()
-                except OSError:
-                    continue  # vanished between scandir and stat
-                yield ObjectInfo(key=key_prefix + name, size=st.st_size, mtime=st.st_mtime)
+                yield from self._walk(Path(entry.path), key, prefix)
+                continue
+            try:
+                st = entry.stat()
+            except OSError:
+                continue  # vanished between scandir and stat
+            yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def _list_dir(self, prefix: str) -> Iterator[ObjectInfo]:
         prefix = prefix.strip("/")
-        directory = self.root / prefix if prefix else self.root
-        try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name + ("/" if e.is_dir() else ""))
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except OSError as exc:
-            raise os_error(exc, str(directory)) from exc
         key_prefix = f"{prefix}/" if prefix else ""
-        for entry in entries:
-            if TMP_MARKER in entry.name:
+        for name, entry, is_dir in self._entries(self.root / prefix if prefix else self.root):
+            try:
+                st = entry.stat()
+            except OSError:
                 continue
-            st = entry.stat()
-            if entry.is_dir():
-                yield ObjectInfo(key=key_prefix + entry.name, size=0, mtime=st.st_mtime, is_dir=True)
-            elif entry.is_file():
-                yield ObjectInfo(key=key_prefix + entry.name, size=st.st_size, mtime=st.st_mtime)
+            yield ObjectInfo(key=key_prefix + name.rstrip("/"), size=0 if is_dir else st.st_size, mtime=st.st_mtime,
+                             is_dir=is_dir)
 
     # -- reading ------------------------------------------------------------------------------------
     def stat(self, key: str) -> ObjectInfo:

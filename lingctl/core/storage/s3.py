@@ -256,7 +256,13 @@ class S3Store(ObjectStore):
             end = "" if length is None else str(offset + length - 1)
             kwargs["Range"] = f"bytes={offset}-{end}"
         what = f"{self.bucket}/{full}"
-        resp = self._call(what, self.client.get_object, **kwargs)
+        try:
+            resp = self.client.get_object(**kwargs)
+        except Exception as exc:
+            err = translate(exc, what, self.endpoint, self.options.max_attempts)
+            if isinstance(err, UsageError):
+                return b""  # 416: the range starts at or past the end, which reads as empty, as a file would
+            raise err from exc
         try:
             return resp["Body"].read()
         except Exception as exc:
