@@ -79,8 +79,9 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", None, 130)
     except BrokenPipeError:
-        # The reader went away (``lingctl ... | head``); not an error worth a message.
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush at exit
+        # The reader went away (``lingctl ... | head``): not worth a message. Point stdout at /dev/null so
+        # the interpreter's final flush does not raise again (the recipe in Python's signal docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as err:  # a bug: one line for users, the traceback with LINGCTL_DEBUG=1
         if debug:
