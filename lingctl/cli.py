@@ -12,6 +12,7 @@ import typer
 from lingctl import __version__
 from lingctl.commands import planned
 from lingctl.commands.doctor import doctor
+from lingctl.commands.train import train
 from lingctl.commands.version import version
 from lingctl.core.errors import EXIT_ERROR, EXIT_USAGE, LingctlError
 from lingctl.core.logs import level_from, setup_logging
@@ -42,6 +43,7 @@ def root(
     setup_logging(level_from(verbose, quiet))
 
 
+app.command("train")(train)
 app.command("doctor")(doctor)
 app.command("version")(version)
 planned.register(app)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,3 +81,18 @@ def run_lingctl(*args: str, env: dict[str, str] | None = None, cwd: Path | None 
 @pytest.fixture
 def lingctl():
     return run_lingctl
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real corpus (~300 KB of standard-library source in a few files): tokenizer training and
+    packing take well under a second, so training tests spend their time training."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    names = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "heapq.py",
+             "bisect.py", "shlex.py", "fnmatch.py", "functools.py", "calendar.py"]
+    for name in names:
+        src = root / name
+        if src.exists():
+            (out / name.replace("/", "_")).write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
+    return out

@@ -14,7 +14,6 @@ import typer
 from lingctl.core.errors import LingctlError
 
 PLANNED: dict[str, str] = {
-    "train": "Train a Ling-style MoE (fine-grained + shared experts, dropless routing); DDP or EDiT local SGD.",
     "babel": "Copy, sync and verify huge trees between local disks and S3-compatible stores.",
     "timer": "Trace a running training process: step breakdown, hang and straggler diagnosis.",
     "pcache": "Plan and run checkpoint writes spread across nodes, tiered to remote storage.",

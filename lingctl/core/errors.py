@@ -15,6 +15,7 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_VERIFY = 4
 EXIT_RETRIES_EXHAUSTED = 5
+EXIT_INTERRUPTED = 130  # as a shell reports a job stopped by Ctrl-C
 
 
 class LingctlError(Exception):
@@ -49,6 +50,12 @@ class VerificationError(LingctlError):
     """Data differs from what it should be (checksums, sizes, missing objects)."""
 
     exit_code = EXIT_VERIFY
+
+
+class Interrupted(LingctlError):
+    """A long job stopped on request (Ctrl-C, SIGTERM) after saving what it needs to resume."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 class RetryableError(LingctlError):

@@ -1,0 +1,168 @@
+"""`lingctl train`: train a Ling MoE on one process; a thin wrapper over lingctl.train.run."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, s3_options
+from lingctl.core.config import parse_override
+from lingctl.core.errors import Interrupted
+from lingctl.core.output import Output, to_jsonable
+from lingctl.model.presets import PRESETS
+
+if TYPE_CHECKING:
+    from lingctl.train.trainer import Record, Trainer, TrainResult
+
+_HUMAN_EVERY_S = 5.0  # off a terminal, one status line per this many seconds
+
+
+def train(
+    preset: Annotated[str | None, typer.Option("--preset", "-p", help=f"Model shape: {', '.join(PRESETS)}.")] = None,
+    data: Annotated[list[str] | None, typer.Option(
+        "--data", "-d", help="Text files, directories, globs or JSONL ('text' field); repeatable. "
+                             "Default: the Python standard library's sources.")] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps in total.")] = None,
+    max_seconds: Annotated[float | None, typer.Option(
+        "--max-seconds", help="Stop (with a checkpoint) after this much wall time.")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per step.")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="An existing tokenizer.json (default: train a byte-level BPE on the data).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32, or bfloat16 autocast.")] = None,
+    dispatch: Annotated[str | None, typer.Option("--dispatch", help=f"MoE dispatch: naive, sorted, grouped.")] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Steps between evals (0: only at the end).")] = None,
+    save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints (0: only at the end).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")] = None,
+    settings: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE", help="Any setting, e.g. moe.balance_coef=0.02 or model.num_hidden_layers=2.")] = None,
+    endpoint_url: EndpointOpt = None,
+    region: RegionOpt = None,
+    profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Train a Ling-style MoE (fine-grained + shared experts, dropless routing) on this machine.
+
+    Balance and z-loss, stochastic routing warmup, NormHead and a loss-spike guard are on by default.
+    Checkpoints are Ling checkpoint directories (config.json + safetensors) that flood and Hugging Face
+    tools load.
+
+    Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits 130; --resume continues exactly.
+    """
+    from lingctl.train.run import train as run_training  # torch loads only when training
+
+    out_ = Output(json)
+    overrides: dict[str, Any] = {
+        "preset": preset, "data.paths": data or None, "steps": steps, "max_seconds": max_seconds,
+        "batch_size": batch_size, "seq_len": seq_len, "optim.lr": lr, "seed": seed, "data.tokenizer": tokenizer,
+        "dtype": dtype, "dispatch": dispatch, "eval_every": eval_every, "save_every": save_every,
+    }
+    for item in settings or []:
+        key, value = parse_override(item)
+        overrides[key] = value
+    view = _View(out_)
+    trainers: list[Trainer] = []
+
+    def on_start(trainer: Trainer) -> None:
+        trainers.append(trainer)
+        view.start(trainer)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop(signum: int, frame: Any) -> None:
+        if trainers and not trainers[0].stop_requested:
+            trainers[0].stop_requested = True
+            out_.warn("stopping after this step; saving a checkpoint (interrupt again to abort)")
+            return
+        raise KeyboardInterrupt
+
+    for sig in previous:
+        signal.signal(sig, stop)
+    try:
+        with view:
+            result = run_training(out=out, resume=resume, overrides=overrides, config_file=config,
+                                  s3=s3_options(endpoint_url, region, profile, path_style),
+                                  on_record=view.record, on_start=on_start)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    out_.result(_result_json(result), lambda c: _summary(result, c))
+    if result.stopped == "interrupted":
+        raise Interrupted(f"interrupted at step {result.steps}; checkpoint saved",
+                           hint=f"continue with: lingctl train --resume --out {result.run_dir}")
+
+
+def _result_json(result: TrainResult) -> dict[str, Any]:
+    return {"event": "done", **to_jsonable(result)}
+
+
+def _summary(r: TrainResult, console: Any) -> None:
+    loss = f"loss {r.first_loss:.3f} -> {r.last_loss:.3f}" if r.first_loss is not None else "no new steps"
+    evals = f", eval loss {r.eval_loss:.3f}" if r.eval_loss is not None else ""
+    console.print(f"{r.stopped}: {r.steps}/{r.target_steps} steps, {r.tokens:,} tokens, {loss}{evals}, "
+                  f"{r.spikes_skipped} spike(s) skipped, {r.elapsed_s:.0f} s", markup=False)
+    if r.checkpoint:
+        console.print(f"checkpoint: {r.run_dir}/{r.checkpoint}", markup=False)
+
+
+class _View:
+    """The live view: a Rich bar with loss, tokens/s and expert balance on a terminal; JSON lines with
+    --json; a status line every few seconds otherwise (logs, CI)."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self._cm: Any = None
+        self._task: Any = None
+        self._last = 0.0
+
+    def __enter__(self) -> _View:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*exc)
+
+    def start(self, trainer: Trainer) -> None:
+        c = trainer.model.config
+        self.out.info(f"run {trainer.run.describe()}: {trainer.config.preset}, "
+                      f"{c.num_parameters() / 1e6:.1f}M parameters ({c.num_parameters(active=True) / 1e6:.1f}M active), "
+                      f"{len(trainer.data.tokens.train)} training sequences of {trainer.res.seq_len} tokens")
+        self._cm = self.out.progress("training", total=trainer.config.steps)
+        self._task = self._cm.__enter__()
+        self._task.update(total=trainer.config.steps)
+        if trainer.step:
+            self._task.advance(trainer.step)
+
+    def record(self, record: Record) -> None:
+        if self.out.json_mode:
+            self.out.record(record)
+            return
+        event = record["event"]
+        if event == "step":
+            load = record["expert_load"]
+            cv = max((x["cv"] for x in load), default=0.0)
+            text = (f"step {record['step']} loss {record['loss']:.3f} lr {record['lr']:.2e} "
+                    f"{record['tokens_per_s']:,.0f} tok/s expert cv {cv:.2f}")
+            self._task.update(description=text)
+            self._task.advance(1)
+            if not self.out.progress_enabled and time.monotonic() - self._last >= _HUMAN_EVERY_S:
+                self._last = time.monotonic()
+                self.out.info(text)
+        elif event == "eval":
+            self.out.info(f"step {record['step']} eval loss {record['eval_loss']:.3f}")
+        elif event == "spike":
+            self.out.warn(f"step {record['step']}: loss spike skipped ({record['reason']}), {record['action']}")
+        elif event == "lr_drop":
+            self.out.warn(f"step {record['step']}: repeated spikes, learning rate scaled to {record['lr_scale']:g}")
+        elif event == "checkpoint" and not self.out.progress_enabled:
+            self.out.info(f"step {record['step']} checkpoint {record['path']}")

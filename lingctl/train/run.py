@@ -1,0 +1,92 @@
+"""Start or resume a training run: settings from flags/TOML, or from the run's own checkpoint on resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.config import build, from_mapping, load_toml
+from lingctl.core.errors import UsageError
+from lingctl.core.storage import S3Options
+from lingctl.train.config import TrainConfig
+from lingctl.train.rundir import RunDir
+from lingctl.train.trainer import CONFIG_FILE, Record, Trainer, TrainResult
+
+log = logging.getLogger(__name__)
+
+# Settings a resumed run may change; everything else must match the run's saved config, or the resumed
+# run would silently be a different experiment (the loss sequence would no longer continue).
+RESUMABLE_CHANGES = frozenset({"steps", "max_seconds", "eval_every", "eval_batches", "save_every",
+                               "keep_checkpoints", "inject_spikes", "inject_spike_factor", "crash_at_step"})
+
+
+def default_out(preset: str) -> str:
+    return str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _saved_config(run: RunDir, latest: dict[str, Any]) -> dict[str, Any]:
+    key = f"{latest['path']}/{CONFIG_FILE}"
+    raw = run.store.read(key) if run.store is not None else (run.local / key).read_bytes()
+    return json.loads(raw)
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and key != "model":
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mapping[str, Any]) -> TrainConfig:
+    """The saved config, with the explicitly given settings that a resume may change applied; an explicit
+    setting that would change the experiment is refused with both values named."""
+    config = from_mapping(TrainConfig, saved, where="the run's saved config")
+    config.crash_at_step = None  # a drill of the interrupted run, not of the experiment
+    saved_flat = _flatten(dataclasses.asdict(config))
+    requested_flat = _flatten(dataclasses.asdict(requested))
+    for key in explicit:
+        top = key.split(".")[0]
+        if key in RESUMABLE_CHANGES or top in RESUMABLE_CHANGES:
+            continue
+        if key in saved_flat and saved_flat[key] != requested_flat.get(key):
+            raise UsageError(f"cannot resume with {key}={requested_flat.get(key)!r}: the run was started with "
+                             f"{saved_flat[key]!r}", hint="drop the option, or start a new run with another --out")
+    for key in RESUMABLE_CHANGES:
+        if key in explicit:
+            setattr(config, key, getattr(requested, key))
+    config.validate()
+    return config
+
+
+def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config_file: Path | None = None,
+          s3: S3Options | None = None, on_record: Callable[[Record], None] | None = None,
+          on_start: Callable[[Trainer], None] | None = None) -> TrainResult:
+    """Run ``lingctl train``. ``overrides`` are dotted settings given on the command line (None = unset)."""
+    explicit = {k: v for k, v in overrides.items() if v is not None}
+    requested = build(TrainConfig, file=config_file, section="train" if config_file else None, overrides=explicit)
+    if config_file is not None:
+        # Settings from the file were asked for as much as flags were.
+        explicit = {**_flatten(load_toml(config_file, "train")), **explicit}
+    if resume and out is None:
+        raise UsageError("--resume needs --out: the run directory to continue")
+    run = RunDir(out or default_out(requested.preset), s3)
+    config = requested
+    latest = run.latest() if resume else None
+    if resume and latest is None:
+        log.warning("no checkpoint in %s yet; starting from step 0", run.describe())
+    if latest is not None:
+        config = resume_config(_saved_config(run, latest), requested, explicit)
+    trainer = Trainer(config, run, resume=latest is not None, restart=resume, on_record=on_record)
+    trainer.setup()
+    if on_start is not None:
+        on_start(trainer)
+    return trainer.train()

@@ -1,0 +1,379 @@
+"""The single-process training loop: data, model, AdamW, MoE losses, spike guard, eval and checkpoints.
+
+Every source of randomness is either a pure function of (seed, step) (batch order, routing-warmup noise,
+schedules) or saved in the checkpoint (optimizer, spike guard, router statistics, torch RNG), so a resumed
+run reproduces the loss sequence of an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lingctl.core.atomic import atomic_write
+from lingctl.core.config import to_dict
+from lingctl.core.errors import LingctlError, UsageError
+from lingctl.model.checkpoint import save_checkpoint
+from lingctl.model.ling import LingForCausalLM
+from lingctl.model.safetensors_io import load_safetensors
+from lingctl.train import losses, schedule
+from lingctl.train.config import TrainConfig, resolve
+from lingctl.train.data import BatchOrder, batch_tensors
+from lingctl.train.dataset import PreparedData, prepare_data
+from lingctl.train.rundir import METRICS, TOKENIZER, RunDir, checkpoint_name
+from lingctl.train.spike import SpikeGuard
+from lingctl.train.tokenizer import save_tokenizer
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+CONFIG_FILE = "train_config.json"
+
+Record = dict[str, Any]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    run_dir: str
+    steps: int
+    target_steps: int
+    tokens: int
+    parameters: int
+    active_parameters: int
+    first_loss: float | None
+    last_loss: float | None
+    eval_loss: float | None
+    spikes_skipped: int
+    lr_drops: int
+    checkpoint: str | None
+    elapsed_s: float
+    stopped: str  # "completed", "time limit", "interrupted"
+    resumed_from: int | None = None
+
+
+@dataclass(slots=True)
+class _Retry:
+    due: int
+    rows: list[int]
+    tries: int
+
+
+@dataclass(slots=True)
+class _Position:
+    """Where the data stream is: sequences consumed so far, and spiking batches waiting to be retried."""
+
+    cursor: int = 0
+    retries: list[_Retry] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, run: RunDir, *, resume: bool = False, restart: bool = False,
+                 on_record: Callable[[Record], None] | None = None) -> None:
+        """``resume``: continue from the run's committed checkpoint. ``restart``: the run directory may hold
+        a run that never reached a checkpoint; start it over (otherwise an existing run is refused)."""
+        self.config = config
+        self.run = run
+        self.resume = resume
+        self.restart = restart
+        self.on_record = on_record or (lambda record: None)
+        self.stop_requested = False  # set from a signal handler: finish the step, save, stop
+        self.res = resolve(config)
+        self.step = 0
+        self.attempt = 0
+        self.tokens = 0
+        self.position = _Position()
+        self.guard = SpikeGuard(config=config.spike)
+        self.elapsed_before = 0.0
+        self.resumed_from: int | None = None
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        c = self.config
+        latest = self.run.latest() if self.resume else None
+        if latest is not None:
+            self.run.fetch_for_resume(latest)
+        elif self.run.has_content() and not self.restart:
+            raise UsageError(f"{self.run.describe()} already holds a training run",
+                             hint="pass --resume to continue it, or choose another --out")
+        else:
+            self.run.prepare_fresh()
+        tokenizer_path = self.run.local / TOKENIZER if latest is not None else None
+        self.data: PreparedData = prepare_data(c, self.res, tokenizer_path=tokenizer_path)
+        if latest is None:
+            save_tokenizer(self.data.tokenizer, self.run.local / TOKENIZER)
+            self.run.publish([TOKENIZER])
+        self.order = BatchOrder(len(self.data.tokens.train), c.seed)
+        torch.manual_seed(c.seed)
+        self.model = LingForCausalLM(self.data.model_config, c.dispatch)
+        self.model.init_weights(torch.Generator().manual_seed(c.seed))
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        o = c.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.res.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.metrics_path = self.run.local / METRICS
+        if latest is not None:
+            self._load_state(latest)
+        else:
+            self.metrics_path.write_text("")
+
+    def _load_state(self, latest: dict[str, Any]) -> None:
+        ckpt = self.run.local / latest["path"]
+        weights = load_safetensors(ckpt / "model.safetensors")
+        if self.model.config.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["model.word_embeddings.weight"]
+        self.model.load_state_dict(weights, strict=True)
+        state = torch.load(ckpt / STATE_FILE, weights_only=True)
+        if state["fingerprint"] != self.data.fingerprint:
+            raise LingctlError("the training data changed since this run was checkpointed "
+                               f"(fingerprint {state['fingerprint']} -> {self.data.fingerprint})",
+                               hint="resume with the same --data, or start a new run with another --out")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.guard.load_state_dict(state["guard"])
+        for router, (mean, std) in zip(self.model.routers(), state["router_stats"]):
+            router.logit_mean, router.logit_std = mean, std
+        torch.set_rng_state(state["rng"])
+        self.step, self.attempt, self.tokens = state["step"], state["attempt"], state["tokens"]
+        self.position = _Position(state["cursor"], [_Retry(**r) for r in state["retries"]])
+        self.elapsed_before = state["elapsed_s"]
+        self.resumed_from = self.step
+        self._truncate_metrics(self.step)
+        log.info("resumed %s at step %d", self.run.describe(), self.step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop records written after the checkpoint (and a torn last line), so the resumed run's records
+        continue the file as if there had been no interruption."""
+        kept = []
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get("step", 0) <= step and not (record.get("event") == "done"):
+                    if record.get("step") == step and record.get("event") not in ("step", "eval", "checkpoint"):
+                        continue
+                    kept.append(line)
+        with atomic_write(self.metrics_path) as (_, f):
+            f.write("".join(k + "\n" for k in kept).encode())
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        c = self.config
+        start = time.monotonic()
+        first_loss = last_loss = eval_loss = None
+        checkpoint: str | None = None
+        stopped = "completed"
+        if self.step >= c.steps:  # resumed a finished run: nothing to do, nothing to rewrite
+            return self._result(None, None, None, checkpoint_name(self.step), start, stopped)
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        try:
+            while self.step < c.steps:
+                if self.stop_requested:
+                    stopped = "interrupted"
+                    break
+                if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds:
+                    stopped = "time limit"
+                    break
+                record = self._attempt()
+                if record is None:
+                    continue
+                if c.crash_at_step == self.step:
+                    self._metrics.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                first_loss = record["loss"] if first_loss is None else first_loss
+                last_loss = record["loss"]
+                if c.eval_every and self.step % c.eval_every == 0:
+                    eval_loss = self._eval()
+                if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
+                    checkpoint = self._save(start)
+            if self.step > 0 and (eval_loss is None or not c.eval_every or self.step % c.eval_every):
+                eval_loss = self._eval()
+            if self.step > 0 and (checkpoint is None or not checkpoint.endswith(f"{self.step:08d}")):
+                checkpoint = self._save(start)
+        finally:
+            self._metrics.close()
+            self.run.publish([METRICS])
+        return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _result(self, first_loss: float | None, last_loss: float | None, eval_loss: float | None,
+                checkpoint: str | None, start: float, stopped: str) -> TrainResult:
+        c = self.config
+        return TrainResult(
+            run_dir=self.run.describe(), steps=self.step, target_steps=c.steps, tokens=self.tokens,
+            parameters=self.model.config.num_parameters(),
+            active_parameters=self.model.config.num_parameters(active=True),
+            first_loss=first_loss, last_loss=last_loss, eval_loss=eval_loss,
+            spikes_skipped=self.guard.total_spikes, lr_drops=self.guard.lr_drops, checkpoint=checkpoint,
+            elapsed_s=round(self.elapsed_before + time.monotonic() - start, 3), stopped=stopped,
+            resumed_from=self.resumed_from)
+
+    def _next_batch(self) -> tuple[list[int], int]:
+        """Rows for this attempt and how often they were tried before: a due retry first, else fresh data."""
+        retries = self.position.retries
+        if retries and retries[0].due <= self.step:
+            r = retries.pop(0)
+            return r.rows, r.tries
+        n = schedule.batch_size(self.step, target=self.res.batch_size, start=self.config.batch_start,
+                                warmup_steps=self.config.batch_warmup_steps)
+        rows = self.order.indices(self.position.cursor, n).tolist()
+        self.position.cursor += n
+        return rows, 0
+
+    def _set_routing_warmup(self) -> float:
+        alpha = schedule.routing_alpha(self.step, self.config.moe.routing_warmup_steps)
+        for i, router in enumerate(self.model.routers()):
+            router.warmup_alpha = alpha
+            # Noise keyed by (seed, attempt, layer): identical after a resume, no generator state to save.
+            router.noise_generator = (torch.Generator().manual_seed(
+                (self.config.seed * 1_000_003 + self.attempt) * 1_009 + i) if alpha < 1.0 else None)
+        return alpha
+
+    def _lr(self) -> float:
+        o = self.config.optim
+        base = schedule.learning_rate(self.step, peak=self.res.lr, warmup_steps=o.warmup_steps,
+                                      total_steps=self.config.steps, min_ratio=o.min_lr_ratio)
+        return base * self.guard.lr_scale
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        c = self.config
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.dtype == "bfloat16"):
+            out = self.model(inputs)
+            logits = out.logits.float()
+        lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        cfg = self.model.config
+        bal = losses.balance_loss(out.routes, cfg.num_experts)
+        z = losses.z_loss(out.routes)
+        loss = lm + c.moe.balance_coef * bal + c.moe.z_coef * z
+        return {"loss": loss, "lm_loss": lm, "balance_loss": bal, "z_loss": z, "routes": out.routes}
+
+    def _attempt(self) -> Record | None:
+        """One forward/backward; returns the step record when the update was applied, None when skipped."""
+        c = self.config
+        t0 = time.monotonic()
+        rows, tries = self._next_batch()
+        alpha = self._set_routing_warmup()
+        lr = self._lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        inputs, targets = batch_tensors(self.data.tokens.train, rows)
+        parts = self._forward(inputs, targets)
+        loss = parts["loss"]
+        if self.attempt in c.inject_spikes:
+            loss = loss * c.inject_spike_factor
+        loss_value = float(loss.detach())
+        grad_norm = float("nan")
+        verdict = self.guard.check_loss(loss_value)
+        if not verdict.spike:
+            loss.backward()
+            clip = c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            verdict = self.guard.check_grad(grad_norm)
+        if verdict.spike:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._on_spike(rows, tries, loss_value, grad_norm, verdict.reason)
+            self.attempt += 1
+            return None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.guard.accept(loss_value, grad_norm)
+        self.step += 1
+        self.attempt += 1
+        n_tokens = inputs.numel()
+        self.tokens += n_tokens
+        dt = time.monotonic() - t0
+        record: Record = {
+            "event": "step", "step": self.step, "loss": loss_value,
+            "lm_loss": round(float(parts["lm_loss"].detach()), 6),
+            "balance_loss": round(float(parts["balance_loss"].detach()), 6),
+            "z_loss": round(float(parts["z_loss"].detach()), 6), "grad_norm": round(grad_norm, 6), "lr": lr,
+            "batch_size": len(rows), "tokens": self.tokens, "tokens_per_s": round(n_tokens / max(dt, 1e-9), 1),
+            "step_s": round(dt, 4), "routing_alpha": round(alpha, 4),
+            "expert_load": losses.expert_load(parts["routes"], self.model.config.num_experts),
+            "spikes_skipped": self.guard.total_spikes,
+        }
+        if tries:
+            record["retried"] = True
+        self._emit(record)
+        return record
+
+    def _on_spike(self, rows: list[int], tries: int, loss: float, grad_norm: float, reason: str) -> None:
+        c = self.config.spike
+        record: Record = {"event": "spike", "step": self.step, "attempt": self.attempt, "loss": loss,
+                          "grad_norm": None if math.isnan(grad_norm) else grad_norm, "reason": reason}
+        if tries < c.max_retries:
+            due = self.step + c.retry_after_steps
+            self.position.retries.append(_Retry(due, rows, tries + 1))
+            self.position.retries.sort(key=lambda r: r.due)
+            record.update(action="skipped", retry_at_step=due)
+        else:
+            record.update(action="dropped")
+        self._emit(record)
+        if self.guard.record_spike(self.step):
+            self._emit({"event": "lr_drop", "step": self.step, "lr_scale": self.guard.lr_scale})
+
+    @torch.no_grad()
+    def _eval(self) -> float | None:
+        data = self.data.tokens.eval
+        if len(data) == 0:
+            return None
+        n = min(len(data), self.config.eval_batches * self.res.batch_size)
+        self.model.eval()
+        saved = [r.warmup_alpha for r in self.model.routers()]
+        for r in self.model.routers():
+            r.warmup_alpha = 1.0  # eval measures the learned router, not the warmup noise
+        total, count = 0.0, 0
+        for start in range(0, n, self.res.batch_size):
+            rows = list(range(start, min(n, start + self.res.batch_size)))
+            inputs, targets = batch_tensors(data, rows)
+            total += float(self._forward(inputs, targets)["lm_loss"]) * len(rows)
+            count += len(rows)
+        for r, a in zip(self.model.routers(), saved):
+            r.warmup_alpha = a
+        value = total / count
+        self._emit({"event": "eval", "step": self.step, "eval_loss": round(value, 6)})
+        return value
+
+    def _save(self, start: float) -> str:
+        rel = checkpoint_name(self.step)
+        directory = self.run.local / rel
+        save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
+        state = {
+            "step": self.step, "attempt": self.attempt, "tokens": self.tokens,
+            "cursor": self.position.cursor,
+            "retries": [{"due": r.due, "rows": r.rows, "tries": r.tries} for r in self.position.retries],
+            "optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
+            "router_stats": [(r.logit_mean, r.logit_std) for r in self.model.routers()],
+            "rng": torch.get_rng_state(), "fingerprint": self.data.fingerprint,
+            "elapsed_s": self.elapsed_before + time.monotonic() - start,
+        }
+        with atomic_write(directory / STATE_FILE) as (_, f):
+            torch.save(state, f)
+        with atomic_write(directory / CONFIG_FILE) as (_, f):
+            f.write(json.dumps(to_dict(self.config), indent=2).encode())
+        self._metrics.flush()
+        files = sorted(p.relative_to(self.run.local).as_posix() for p in directory.iterdir() if p.is_file())
+        # Weights and state first, config.json last: a half-uploaded checkpoint has no config.
+        files.sort(key=lambda name: name.endswith("/config.json"))
+        self.run.publish(files + [METRICS])
+        self.run.commit(self.step, rel)
+        self.run.prune(self.config.keep_checkpoints, rel)
+        self._emit({"event": "checkpoint", "step": self.step, "path": f"{self.run.describe()}/{rel}"})
+        return rel
+
+    def _emit(self, record: Record) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        self.on_record(record)
