@@ -110,7 +110,10 @@ class LingForCausalLM(nn.Module):
         return w32 / norm.detach()
 
     def logits(self, hidden_BSD: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_BSD, self.head_weight())
+        w = self.head_weight()
+        if not torch.is_autocast_enabled(hidden_BSD.device.type):
+            w = w.to(hidden_BSD.dtype)  # NormHead computes in float32; a bf16 model multiplies in bf16
+        return F.linear(hidden_BSD, w)
 
     def hidden_states(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, list[RouterOutput]]:

@@ -52,6 +52,7 @@ class Router(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=config.initializer_range)
         self.warmup_alpha = 1.0
         self.noise_generator: torch.Generator | None = None
         self.logit_mean: float | None = None
