@@ -39,7 +39,7 @@ def train(
     tokenizer: Annotated[str | None, typer.Option(
         "--tokenizer", help="An existing tokenizer.json (default: train a byte-level BPE on the data).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32, or bfloat16 autocast.")] = None,
-    dispatch: Annotated[str | None, typer.Option("--dispatch", help=f"MoE dispatch: naive, sorted, grouped.")] = None,
+    dispatch: Annotated[str | None, typer.Option("--dispatch", help="MoE dispatch: naive, sorted, grouped.")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Steps between evals (0: only at the end).")] = None,
     save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints (0: only at the end).")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")] = None,

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,6 @@ from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.model.checkpoint import load_checkpoint, model_state, save_checkpoint
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the threads' spinning
-    barriers make each small op about a hundred times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "BPE"}}'

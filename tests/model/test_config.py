@@ -1,26 +1,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import PRESETS, preset
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the threads' spinning
-    barriers make each small op about a hundred times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 # Keys a Hugging Face loader (vLLM, SGLang, transformers' BailingMoeConfig) needs spelled out: a missing one

@@ -1,24 +1,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from lingctl.model.config import LingConfig
 from lingctl.model.layers import MLP, Attention, RMSNorm
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the threads' spinning
-    barriers make each small op about a hundred times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 EPS = 1e-6
@@ -34,7 +22,6 @@ def gqa_config(**overrides: object) -> LingConfig:
     config = LingConfig(**fields)  # type: ignore[arg-type]
     config.validate()
     return config
-
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,16 +11,6 @@ from lingctl.model.layers import MLP
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import (Router, SparseMoeBlock, dispatch_grouped, dispatch_naive, dispatch_sorted,
                                grouped_mm_available)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the threads' spinning
-    barriers make each small op about a hundred times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 needs_grouped_mm = pytest.mark.skipif(not grouped_mm_available(), reason="torch._grouped_mm not in this torch")
