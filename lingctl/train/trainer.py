@@ -105,11 +105,11 @@ class Trainer:
         elif self.run.has_content() and not self.restart:
             raise UsageError(f"{self.run.describe()} already holds a training run",
                              hint="pass --resume to continue it, or choose another --out")
-        else:
-            self.run.prepare_fresh()
         tokenizer_path = self.run.local / TOKENIZER if latest is not None else None
         self.data: PreparedData = prepare_data(c, self.res, tokenizer_path=tokenizer_path)
         if latest is None:
+            # Only now that the data is usable: a bad --data leaves no empty run directory behind.
+            self.run.prepare_fresh()
             save_tokenizer(self.data.tokenizer, self.run.local / TOKENIZER)
             self.run.publish([TOKENIZER])
         self.order = BatchOrder(len(self.data.tokens.train), c.seed)
