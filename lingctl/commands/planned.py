@@ -14,7 +14,6 @@ import typer
 from lingctl.core.errors import LingctlError
 
 PLANNED: dict[str, str] = {
-    "babel": "Copy, sync and verify huge trees between local disks and S3-compatible stores.",
     "timer": "Trace a running training process: step breakdown, hang and straggler diagnosis.",
     "pcache": "Plan and run checkpoint writes spread across nodes, tiered to remote storage.",
     "flood": "Offline batch inference with a segment KV cache, prefix sharing and pipeline stages.",

@@ -99,7 +99,8 @@ def make_client(options: S3Options, *, unsigned: bool = False) -> Any:
     config = botocore.config.Config(
         region_name=region,
         s3={"addressing_style": "path" if path_style else "auto"},
-        retries={"max_attempts": options.max_attempts, "mode": "standard"},
+        # total_max_attempts counts the first try; botocore's max_attempts would count only the retries.
+        retries={"total_max_attempts": options.max_attempts, "mode": "standard"},
         connect_timeout=options.connect_timeout,
         read_timeout=options.read_timeout,
         # We compute and send CRC64NVME ourselves. "when_required" on responses: several S3-compatible

@@ -1,0 +1,284 @@
+"""The two ends of a transfer: a local directory or an S3 prefix, behind one small interface.
+
+Both sides read byte ranges and write objects either whole or as numbered parts at offsets that become
+visible under their final key only on ``complete`` (S3: CompleteMultipartUpload; local: a temporary file
+beside the target, fsync, rename). S3 calls go through the shared AIMD gate and retrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lingctl.babel.throttle import Aimd, Retrier
+from lingctl.core.atomic import TMP_MARKER, fsync_dir
+from lingctl.core.checksum import Crc64, tag_from_b64
+from lingctl.core.errors import LingctlError, NotFoundError, UsageError, os_error
+from lingctl.core.storage import S3Options, StoreURL, check_key
+from lingctl.core.storage.s3 import CHECKSUM_META, make_client, translate
+
+MTIME_META = "lingctl-mtime"  # the source's modification time, as rclone keeps it in "mtime" metadata
+
+
+@dataclass(slots=True)
+class Head:
+    size: int
+    mtime: float  # the source mtime recorded with the object, else the store's own
+    crc: str | None
+    etag: str | None
+
+
+class Side(ABC):
+    url: StoreURL
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise NotFoundError / AccessDeniedError / RetryableError unless the root is usable."""
+
+    @abstractmethod
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+    @abstractmethod
+    def head(self, key: str) -> Head | None: ...
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, crc: Crc64, mtime: float) -> tuple[str | None, float]:
+        """Write a whole object; returns (etag, destination mtime)."""
+
+    @abstractmethod
+    def create_upload(self, key: str, size: int, mtime: float, crc: Crc64 | None) -> str: ...
+
+    @abstractmethod
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str: ...
+
+    @abstractmethod
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], mtime: float
+                 ) -> tuple[str | None, float]: ...
+
+    @abstractmethod
+    def abort(self, key: str, upload_id: str) -> None: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    # Whether a half-done upload survives the process (S3 multipart) and can be continued.
+    resumable_uploads = False
+
+
+class LocalSide(Side):
+    def __init__(self, url: StoreURL) -> None:
+        self.url = url
+        self.root = url.path
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def check(self) -> None:
+        if not self.root.is_dir():
+            raise NotFoundError(f"directory {self.root} does not exist")
+
+    def path(self, key: str) -> Path:
+        """The file for ``key``; keys with '..', absolute or empty segments would escape the root: refused."""
+        try:
+            check_key(key)
+        except UsageError:
+            raise LingctlError(f"refusing key {key!r}: it would escape the destination {self.root}") from None
+        return self.root / key
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                if length is None:
+                    f.seek(offset)
+                    return f.read()
+                return os.pread(f.fileno(), length, offset)
+        except OSError as exc:
+            raise os_error(exc, str(path)) from exc
+
+    def head(self, key: str) -> Head | None:
+        try:
+            st = self.path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise os_error(exc, str(self.path(key))) from exc
+        return Head(st.st_size, st.st_mtime, None, None)
+
+    def _finish(self, tmp: Path, target: Path, mtime: float) -> float:
+        os.utime(tmp, (mtime, mtime))  # size + mtime equal to the source is how a re-run skips it
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        return mtime
+
+    def _tmp(self, target: Path) -> Path:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target.parent / f".{target.name}{TMP_MARKER}{uuid.uuid4().hex[:8]}"
+
+    def put(self, key: str, data: bytes, crc: Crc64, mtime: float) -> tuple[str | None, float]:
+        target = self.path(key)
+        try:
+            tmp = self._tmp(target)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return None, self._finish(tmp, target, mtime)
+        except OSError as exc:
+            raise os_error(exc, str(target)) from exc
+
+    def create_upload(self, key: str, size: int, mtime: float, crc: Crc64 | None) -> str:
+        target = self.path(key)
+        try:
+            tmp = self._tmp(target)
+            with open(tmp, "wb") as f:
+                f.truncate(size)
+        except OSError as exc:
+            raise os_error(exc, str(target)) from exc
+        return tmp.name
+
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+        tmp = self.path(key).parent / upload_id
+        try:
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise os_error(exc, str(tmp)) from exc
+        return str(number)
+
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], mtime: float
+                 ) -> tuple[str | None, float]:
+        target = self.path(key)
+        tmp = target.parent / upload_id
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return None, self._finish(tmp, target, mtime)
+        except OSError as exc:
+            raise os_error(exc, str(target)) from exc
+
+    def abort(self, key: str, upload_id: str) -> None:
+        (self.path(key).parent / upload_id).unlink(missing_ok=True)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise os_error(exc, str(self.path(key))) from exc
+
+
+class S3Side(Side):
+    resumable_uploads = True
+
+    def __init__(self, url: StoreURL, options: S3Options, gate: Aimd) -> None:
+        self.url = url
+        # Our retrier sees every failure (to adapt concurrency), so botocore's own retries are off.
+        self.options = options
+        self.client = make_client(dataclasses.replace(options, max_attempts=1))
+        self.bucket = url.bucket
+        self.root = f"{url.prefix}/" if url.prefix else ""
+        self.endpoint = options.resolved_endpoint() or ""
+        self.retrier = Retrier(gate, lambda exc, what, n: translate(exc, what, self.endpoint, n),
+                               attempts=options.max_attempts)
+
+    def describe(self) -> str:
+        return f"{self.url} at {self.endpoint or 'AWS S3'}"
+
+    def _k(self, key: str) -> str:
+        return self.root + key
+
+    def _call(self, key: str, fn: Any, **kwargs: Any) -> Any:
+        return self.retrier.call(f"{self.bucket}/{self._k(key)}", fn, Bucket=self.bucket, **kwargs)
+
+    def check(self) -> None:
+        self.retrier.call(self.bucket, self.client.head_bucket, Bucket=self.bucket)
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        kwargs: dict[str, Any] = {"Key": self._k(key)}
+        if length == 0:
+            return b""
+        if offset or length is not None:
+            kwargs["Range"] = f"bytes={offset}-{'' if length is None else offset + length - 1}"
+
+        def get(**kw: Any) -> bytes:
+            return self.client.get_object(**kw)["Body"].read()  # the body read is retried with the request
+
+        return self._call(key, get, **kwargs)
+
+    def head(self, key: str) -> Head | None:
+        try:
+            h = self._call(key, self.client.head_object, Key=self._k(key))
+        except NotFoundError:
+            return None
+        except LingctlError as exc:
+            if "404" in str(exc) or "Not Found" in str(exc):
+                return None
+            raise
+        meta = {k.lower(): v for k, v in h.get("Metadata", {}).items()}
+        mtime = h["LastModified"].timestamp()
+        try:
+            mtime = float(meta.get(MTIME_META, mtime))
+        except ValueError:
+            pass
+        crc = meta.get(CHECKSUM_META)
+        return Head(h["ContentLength"], mtime, tag_from_b64(crc) if crc else None,
+                    h.get("ETag", "").strip('"') or None)
+
+    def _meta(self, mtime: float, crc: Crc64 | None) -> dict[str, str]:
+        meta = {MTIME_META: repr(float(mtime))}
+        if crc is not None:
+            meta[CHECKSUM_META] = crc.b64()
+        return meta
+
+    def put(self, key: str, data: bytes, crc: Crc64, mtime: float) -> tuple[str | None, float]:
+        resp = self._call(key, self.client.put_object, Key=self._k(key), Body=data, ChecksumCRC64NVME=crc.b64(),
+                          Metadata=self._meta(mtime, crc))
+        return resp.get("ETag", "").strip('"') or None, time.time()
+
+    def create_upload(self, key: str, size: int, mtime: float, crc: Crc64 | None) -> str:
+        resp = self._call(key, self.client.create_multipart_upload, Key=self._k(key), Metadata=self._meta(mtime, crc))
+        return resp["UploadId"]
+
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+        resp = self._call(key, self.client.upload_part, Key=self._k(key), UploadId=upload_id, PartNumber=number,
+                          Body=data)
+        return resp["ETag"]
+
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], mtime: float
+                 ) -> tuple[str | None, float]:
+        resp = self._call(key, self.client.complete_multipart_upload, Key=self._k(key), UploadId=upload_id,
+                          MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        # Some servers list a multipart object under another ETag than CompleteMultipartUpload returned
+        # (rclone's lists the MD5 of the stored file). One HEAD per large object records the one that
+        # listings show, so re-syncs recognise the object without a HEAD each time.
+        head = self.head(key)
+        etag = head.etag if head is not None else resp.get("ETag", "").strip('"') or None
+        return etag, time.time()
+
+    def abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._call(key, self.client.abort_multipart_upload, Key=self._k(key), UploadId=upload_id)
+        except LingctlError:
+            pass  # an upload that is already gone needs no abort
+
+    def delete(self, key: str) -> None:
+        self._call(key, self.client.delete_object, Key=self._k(key))
+
+
+def open_side(url: StoreURL, s3: S3Options, gate: Aimd) -> Side:
+    return S3Side(url, s3, gate) if url.is_s3 else LocalSide(url)

@@ -1,0 +1,299 @@
+"""``babel sync``: make the destination equal to the source.
+
+list destination (parallel, into an index) -> stream the source listing (parallel, in batches) -> for each
+source object decide copy/skip against the index and the journal -> copy on a thread pool while the
+listing continues -> verify each copy -> copy the --commit-last objects -> delete (only with --delete,
+never more than --max-delete, never after a failed copy).
+
+Skipping needs no request per object: the journal remembers what babel wrote (size, source mtime, CRC,
+destination etag), so an unchanged tree re-syncs from the two listings alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lingctl.babel.filters import KeyFilter
+from lingctl.babel.index import ListingIndex
+from lingctl.babel.journal import Done, Journal
+from lingctl.babel.listing import ListStats, list_tree
+from lingctl.babel.sampling import DEFAULT_SAMPLES
+from lingctl.babel.sides import LocalSide, Side, open_side
+from lingctl.babel.throttle import Aimd
+from lingctl.babel.transfer import Item, check_copy, copy_object, crc_of
+from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.storage import S3Options, StoreURL
+
+log = logging.getLogger(__name__)
+
+STATE_DIR_NAME = ".lingctl-babel"
+MTIME_TOLERANCE = 1e-3
+
+
+def state_dir_for(dst: StoreURL, explicit: Path | None) -> Path:
+    """Where the journal lives: --state-dir, else inside a local destination, else a per-destination cache."""
+    if explicit is not None:
+        return Path(explicit)
+    if not dst.is_s3:
+        return dst.path / STATE_DIR_NAME
+    base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
+    return base / "babel" / hashlib.sha256(str(dst).encode()).hexdigest()[:16]
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncOptions:
+    dry_run: bool = False
+    delete: bool = False
+    max_delete: int | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    checksum: bool = False
+    jobs: int = 16
+    part_size: int | None = None
+    verify: str = "sampled"  # none | sampled | full
+    samples: int = DEFAULT_SAMPLES
+    shard: tuple[int, int] = (0, 1)
+    commit_last: str | None = None
+    state_dir: Path | None = None
+
+    def validate(self) -> None:
+        if self.jobs < 1:
+            raise UsageError(f"--jobs must be at least 1, got {self.jobs}")
+        if self.verify not in ("none", "sampled", "full"):
+            raise UsageError(f"--verify must be none, sampled or full, got {self.verify!r}")
+        if self.max_delete is not None and self.max_delete < 0:
+            raise UsageError(f"--max-delete must be >= 0, got {self.max_delete}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncResult:
+    source: str
+    destination: str
+    dry_run: bool
+    listed_source: int = 0
+    listed_destination: int = 0
+    copied: int = 0
+    copied_bytes: int = 0
+    skipped: int = 0
+    deleted: int = 0
+    verified: int = 0
+    verify_mode: str = "sampled"
+    failed: list[dict[str, str]] = field(default_factory=list)
+    would_copy: list[str] = field(default_factory=list)
+    would_delete: list[str] = field(default_factory=list)
+    deletes_skipped: str | None = None
+    list_requests: int = 0
+    head_requests: int = 0
+    requests: int = 0
+    retries: int = 0
+    throttled: int = 0
+    min_concurrency: int = 0
+    resumed_parts: int = 0  # multipart parts of an interrupted run that were kept, not sent again
+    seconds: float = 0.0
+    journal: str = ""
+
+
+Progress = Callable[[str, int], None]  # ("listed" | "queued" | "copied" | "bytes", amount)
+
+
+class Syncer:
+    def __init__(self, src_url: StoreURL, dst_url: StoreURL, s3: S3Options, opts: SyncOptions,
+                 progress: Progress | None = None) -> None:
+        opts.validate()
+        self.src_url, self.dst_url, self.s3, self.opts = src_url, dst_url, s3, opts
+        self.progress = progress or (lambda kind, n: None)
+        self.gate = Aimd(opts.jobs)
+        self.src: Side = open_side(src_url, s3, self.gate)
+        self.dst: Side = open_side(dst_url, s3, self.gate)
+        self.filter = KeyFilter(list(opts.include), list(opts.exclude), opts.shard)
+        self.result = SyncResult(source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run,
+                                 verify_mode=opts.verify)
+        self._lock = threading.Lock()
+        self._heads = 0
+
+    # -- the run --------------------------------------------------------------------------------------
+    def run(self) -> SyncResult:
+        start = time.monotonic()
+        opts = self.opts
+        self.src.check()
+        if isinstance(self.dst, LocalSide):
+            if not opts.dry_run:
+                self.dst.root.mkdir(parents=True, exist_ok=True)
+        else:
+            self.dst.check()
+        state = state_dir_for(self.dst_url, opts.state_dir)
+        self.journal = Journal(state / "journal.sqlite")
+        self.result.journal = str(state / "journal.sqlite")
+        index = ListingIndex()
+        src_seen = ListingIndex() if opts.delete else None
+        try:
+            stats = ListStats()
+            if not isinstance(self.dst, LocalSide) or self.dst.root.is_dir():
+                for batch in list_tree(self.dst_url, self.s3, jobs=opts.jobs, stats=stats,
+                                       skip_dirs=frozenset({STATE_DIR_NAME})):
+                    index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
+            self.result.listed_destination = index.count
+            self.known = self.journal.all_done()
+            deferred: list[Item] = []
+            with ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-obj") as objects, \
+                    ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-part") as parts:
+                self._parts = parts
+                window = threading.BoundedSemaphore(opts.jobs * 4)  # listing runs ahead of copying, not unbounded
+                futures: list[Future[Any]] = []
+                for batch in list_tree(self.src_url, self.s3, jobs=opts.jobs, stats=stats,
+                                       skip_dirs=frozenset({STATE_DIR_NAME})):
+                    self.result.listed_source += len(batch)
+                    self.progress("listed", len(batch))
+                    if src_seen is not None:
+                        src_seen.add_many((e.key, e.size, e.mtime, None) for e in batch)
+                    for e in batch:
+                        if not self.filter(e.key):
+                            continue
+                        item = Item(e.key, e.size, e.mtime)
+                        if not self._needs_copy(item, index.get(e.key)):
+                            self.result.skipped += 1
+                            continue
+                        if opts.dry_run:
+                            self.result.would_copy.append(e.key)
+                            continue
+                        if opts.commit_last and self._is_commit_last(e.key):
+                            deferred.append(item)
+                            continue
+                        self.progress("queued", e.size)
+                        window.acquire()
+                        fut = objects.submit(self._copy, item)
+                        fut.add_done_callback(lambda _f: window.release())
+                        futures.append(fut)
+                for fut in futures:
+                    fut.result()
+                if deferred:
+                    if self.result.failed:
+                        for item in deferred:
+                            self.result.failed.append({"key": item.key, "error": "held back: other objects failed, "
+                                                       "so the commit-last object was not copied"})
+                    else:
+                        for item in deferred:  # after everything else is copied and verified
+                            self.progress("queued", item.size)
+                            self._copy(item)
+            self.result.list_requests = stats.requests
+            if opts.delete:
+                assert src_seen is not None
+                self._delete(index, src_seen)
+        finally:
+            index.close()
+            if src_seen is not None:
+                src_seen.close()
+            self.journal.close()
+        counters = [s.retrier.counters for s in (self.src, self.dst) if hasattr(s, "retrier")]
+        self.result.requests = sum(c.requests for c in counters) + self.result.list_requests
+        self.result.retries = sum(c.retries for c in counters) + stats.retries
+        self.result.throttled = sum(c.throttled for c in counters)
+        self.result.head_requests = self._heads
+        self.result.min_concurrency = int(self.gate.lowest)
+        self.result.seconds = round(time.monotonic() - start, 3)
+        return self.result
+
+    def _is_commit_last(self, key: str) -> bool:
+        name = self.opts.commit_last or ""
+        return key == name or key.rsplit("/", 1)[-1] == name
+
+    # -- decisions ------------------------------------------------------------------------------------
+    def _needs_copy(self, item: Item, dst: tuple[int, float, str | None] | None) -> bool:
+        if dst is None or dst[0] != item.size:
+            return True
+        rec = self.known.get(item.key)
+        if self.opts.checksum:
+            return self._checksums_differ(item, rec, dst)
+        if rec is not None and rec.size == item.size and abs(rec.src_mtime - item.mtime) < MTIME_TOLERANCE:
+            if isinstance(self.dst, LocalSide):
+                return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
+            # The object babel wrote is still there (same etag): no request needed to know it is current.
+            if rec.dst_etag is None or dst[2] is None or rec.dst_etag.strip('"') == dst[2].strip('"'):
+                return False
+        if isinstance(self.dst, LocalSide):
+            return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
+        head = self._head(self.dst, item.key)  # written by another tool or before the journal: ask once
+        return head is None or abs(head.mtime - item.mtime) >= MTIME_TOLERANCE
+
+    def _head(self, side: Side, key: str):  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._heads += 1
+        return side.head(key)
+
+    def _checksums_differ(self, item: Item, rec: Done | None, dst: tuple[int, float, str | None]) -> bool:
+        src_crc = self._crc(self.src, item)
+        dst_crc = rec.crc if rec is not None and self._journal_matches(rec, dst) else None
+        if dst_crc is None:
+            dst_crc = self._crc(self.dst, item)
+        if src_crc is None or dst_crc is None:
+            return False  # no checksum on one side: equal sizes are all that can be compared
+        return src_crc != dst_crc
+
+    def _journal_matches(self, rec: Done, dst: tuple[int, float, str | None]) -> bool:
+        """Whether the destination object is still the one babel wrote (so the journal's CRC is its CRC)."""
+        if rec.size != dst[0]:
+            return False
+        if isinstance(self.dst, LocalSide):
+            return abs(dst[1] - rec.src_mtime) < MTIME_TOLERANCE
+        return rec.dst_etag is not None and dst[2] is not None and rec.dst_etag.strip('"') == dst[2].strip('"')
+
+    def _crc(self, side: Side, item: Item) -> str | None:
+        if isinstance(side, LocalSide):
+            return crc_of(side, item.key, item.size).tagged()
+        head = self._head(side, item.key)
+        return head.crc if head is not None else None
+
+    # -- doing ----------------------------------------------------------------------------------------
+    def _copy(self, item: Item) -> None:
+        try:
+            done = copy_object(self.src, self.dst, item, journal=self.journal, part_size=self.opts.part_size,
+                               parts_pool=self._parts, on_resumed=self._count_resumed)
+            self.journal.mark_done(item.key, done)
+            check_copy(self.src, self.dst, item, done, self.opts.verify, self.opts.samples)
+        except LingctlError as exc:
+            log.warning("%s: %s", item.key, exc)
+            self.journal.forget(item.key)
+            with self._lock:
+                self.result.failed.append({"key": item.key, "error": str(exc),
+                                           "kind": "verify" if exc.exit_code == 4 else
+                                           ("retryable" if exc.retryable else "error")})
+            return
+        with self._lock:
+            self.result.copied += 1
+            self.result.copied_bytes += item.size
+            if self.opts.verify != "none":
+                self.result.verified += 1
+        self.progress("copied", 1)
+        self.progress("bytes", item.size)
+
+    def _count_resumed(self, n: int) -> None:
+        with self._lock:
+            self.result.resumed_parts += n
+
+    def _delete(self, index: ListingIndex, src_seen: ListingIndex) -> None:
+        doomed = [k for k, _ in index.items() if self.filter(k) and k not in src_seen]
+        if not doomed:
+            return
+        if self.opts.dry_run:
+            self.result.would_delete = doomed
+            return
+        if self.result.failed:
+            self.result.deletes_skipped = f"{len(doomed)} deletion(s) skipped because copies failed"
+            return
+        if self.opts.max_delete is not None and len(doomed) > self.opts.max_delete:
+            raise LingctlError(f"sync would delete {len(doomed)} objects, more than --max-delete "
+                               f"{self.opts.max_delete}; nothing was deleted",
+                               hint="check the source, or raise --max-delete")
+        for key in doomed:
+            self.dst.delete(key)
+            self.journal.forget(key)
+            self.result.deleted += 1

@@ -1,0 +1,177 @@
+"""`lingctl babel ls | sync | verify`: thin wrappers over lingctl.babel."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
+from lingctl.core.errors import RetryableError, VerificationError
+from lingctl.core.output import Output, to_jsonable
+from lingctl.core.storage import parse_url
+from lingctl.core.units import format_size, parse_size
+
+app = typer.Typer(help="Copy, sync and verify trees between local disks and S3-compatible stores.",
+                  no_args_is_help=True)
+
+JobsOpt = Annotated[int, typer.Option("--jobs", "-j", min=1, help="Concurrent transfers and requests.")]
+IncludeOpt = Annotated[list[str] | None, typer.Option("--include", metavar="GLOB", help="Only keys matching (repeatable).")]
+ExcludeOpt = Annotated[list[str] | None, typer.Option("--exclude", metavar="GLOB", help="Skip keys matching (repeatable).")]
+SamplesOpt = Annotated[int, typer.Option("--samples", min=2, help="Sampled ranges (1 MiB each) per large object.")]
+
+
+@app.command("ls")
+def ls(
+    url: Annotated[str, typer.Argument(help="A path or s3://bucket/prefix.")],
+    recursive: Annotated[bool, typer.Option("--recursive", "-R", help="Everything below, not one level.")] = False,
+    summary: Annotated[bool, typer.Option("--summary", help="Only the count and total size.")] = False,
+    jobs: JobsOpt = 16,
+    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None, retries: RetriesOpt = 5, json: JsonOpt = False,
+) -> None:
+    """List objects (key, size, modification time, etag) or, with --summary, their count and total size."""
+    from lingctl.babel.listing import ListStats, list_tree
+    from lingctl.core.storage import open_store
+
+    out = Output(json)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    parsed = parse_url(url)
+    rows: list[dict[str, Any]] = []
+    count = total = 0
+    if recursive or summary:
+        for batch in list_tree(parsed, s3, jobs=jobs, stats=ListStats()):
+            count += len(batch)
+            total += sum(e.size for e in batch)
+            if not summary:
+                rows.extend({"key": e.key, "size": e.size, "mtime": e.mtime, "etag": e.etag} for e in batch)
+        rows.sort(key=lambda r: r["key"])
+    else:
+        store = open_store(parsed, s3)
+        store.check()
+        for info in store.list("", recursive=False):
+            rows.append({"key": info.key + ("/" if info.is_dir else ""), "size": info.size,
+                         "mtime": info.mtime if not info.is_dir else None, "etag": info.etag, "is_dir": info.is_dir,
+                         "checksum": info.checksum})
+            if not info.is_dir:
+                count += 1
+                total += info.size
+    if summary:
+        out.result({"url": url, "objects": count, "bytes": total},
+                   f"{count} objects, {format_size(total)} ({total} bytes)")
+        return
+
+    def human(console: Any) -> None:
+        for r in rows:
+            when = dt.datetime.fromtimestamp(r["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if r.get("mtime") else " " * 19
+            console.print(f"{r['size']:>14} {when} {r['key']}", markup=False)
+
+    out.result(rows, human)
+
+
+@app.command("sync")
+def sync(
+    src: Annotated[str, typer.Argument(help="Source: a path or s3://bucket/prefix.")],
+    dst: Annotated[str, typer.Argument(help="Destination: a path or s3://bucket/prefix.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would change; change nothing.")] = False,
+    delete: Annotated[bool, typer.Option("--delete", help="Delete destination objects missing from the source.")] = False,
+    max_delete: Annotated[int | None, typer.Option("--max-delete", metavar="N", help="Refuse to delete more than N.")] = None,
+    include: IncludeOpt = None, exclude: ExcludeOpt = None,
+    checksum: Annotated[bool, typer.Option("--checksum", "-c", help="Compare CRC64NVME, not size + mtime.")] = False,
+    jobs: JobsOpt = 16,
+    part_size: Annotated[str | None, typer.Option("--part-size", metavar="SIZE", help="Multipart part size (default: adapts, >= 8MiB).")] = None,
+    verify: Annotated[str, typer.Option("--verify", help="After each copy: none, sampled or full.")] = "sampled",
+    samples: SamplesOpt = 64,
+    shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Take only shard I of N of the key space.")] = None,
+    commit_last: Annotated[str | None, typer.Option("--commit-last", metavar="NAME", help="Copy NAME only after everything else is copied and verified.")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Where the resumable journal lives.")] = None,
+    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None, retries: RetriesOpt = 8, json: JsonOpt = False,
+) -> None:
+    """Make DST equal to SRC (local paths or s3:// in any direction). Re-running resumes an interrupted sync.
+
+    Exit codes: 0 in sync, 4 a copy failed verification, 5 copies failed after retries (re-run to resume).
+    """
+    from lingctl.babel.filters import parse_shard
+    from lingctl.babel.sync import SyncOptions, Syncer
+
+    out = Output(json)
+    opts = SyncOptions(dry_run=dry_run, delete=delete, max_delete=max_delete, include=include or [],
+                       exclude=exclude or [], checksum=checksum, jobs=jobs,
+                       part_size=parse_size(part_size) if part_size else None, verify=verify, samples=samples,
+                       shard=parse_shard(shard), commit_last=commit_last, state_dir=state_dir)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    with out.progress("syncing", total=0, unit="bytes") as bar:
+        queued = [0]
+
+        def progress(kind: str, n: int) -> None:
+            if kind == "queued":
+                queued[0] += n
+                bar.update(total=queued[0])
+            elif kind == "bytes":
+                bar.advance(n)
+
+        result = Syncer(parse_url(src), parse_url(dst), s3, opts, progress).run()
+    _report(out, result)
+
+
+def _report(out: Output, r: Any) -> None:
+    def human(console: Any) -> None:
+        if r.dry_run:
+            for key in r.would_copy:
+                console.print(f"would copy  {key}", markup=False)
+            for key in r.would_delete:
+                console.print(f"would delete {key}", markup=False)
+        for f in r.failed:
+            console.print(f"FAILED {f['key']}: {f['error']}", markup=False)
+        verb = "would copy" if r.dry_run else "copied"
+        n = len(r.would_copy) if r.dry_run else r.copied
+        console.print(f"{verb} {n} objects ({format_size(r.copied_bytes)}), {r.skipped} up to date, "
+                      f"{r.deleted if not r.dry_run else len(r.would_delete)} "
+                      f"{'deleted' if not r.dry_run else 'to delete'}, {len(r.failed)} failed; "
+                      f"listed {r.listed_source} + {r.listed_destination} objects in {r.list_requests} requests; "
+                      f"{r.retries} retries; {r.seconds:.1f} s", markup=False)
+        if r.deletes_skipped:
+            console.print(r.deletes_skipped, markup=False)
+
+    out.result(to_jsonable(r), human)
+    if r.failed:
+        if any(f.get("kind") == "verify" for f in r.failed):
+            raise VerificationError(f"{len(r.failed)} object(s) failed; first: {r.failed[0]['key']}: {r.failed[0]['error']}")
+        raise RetryableError(f"{len(r.failed)} object(s) failed; first: {r.failed[0]['key']}: {r.failed[0]['error']}",
+                             hint="run the same command again: finished objects and parts are kept")
+
+
+@app.command("verify")
+def verify(
+    src: Annotated[str, typer.Argument(help="Source: a path or s3://bucket/prefix.")],
+    dst: Annotated[str, typer.Argument(help="Destination: a path or s3://bucket/prefix.")],
+    mode: Annotated[str, typer.Option("--mode", help="meta (sizes), sampled (CRCs of sampled ranges) or full.")] = "sampled",
+    samples: SamplesOpt = 64,
+    include: IncludeOpt = None, exclude: ExcludeOpt = None,
+    jobs: JobsOpt = 16,
+    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None, retries: RetriesOpt = 8, json: JsonOpt = False,
+) -> None:
+    """Compare SRC and DST object by object; exit 4 and name every difference with both sides' figures."""
+    from lingctl.babel.filters import KeyFilter
+    from lingctl.babel.verify import verify as run_verify
+
+    out = Output(json)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    result = run_verify(parse_url(src), parse_url(dst), s3, mode=mode, samples=samples, jobs=jobs,
+                        key_filter=KeyFilter(include or [], exclude or []))
+
+    def human(console: Any) -> None:
+        for d in result.differences:
+            sides = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in d.items() if k not in ("key", "problem"))
+            console.print(f"DIFFERS {d['key']}: {d['problem']} ({sides})", markup=False)
+        console.print(f"{result.checked} objects compared ({result.mode}), {result.matched} match, "
+                      f"{len(result.differences)} differ; {result.seconds:.1f} s", markup=False)
+
+    out.result({**to_jsonable(result), "ok": result.ok}, human)
+    if not result.ok:
+        raise VerificationError(f"{len(result.differences)} difference(s) between {src} and {dst}")
+
