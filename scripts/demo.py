@@ -1,10 +1,12 @@
 """The end-to-end tour behind `make demo`: each tool adds its part as it lands.
 
-1. `lingctl doctor`, then a storage round trip (put, list, get, verify) through a local S3-compatible
+1. `lingctl doctor`; later, a storage round trip (put, list, get, verify) through a local S3-compatible
    server (`rclone serve s3`) that this script starts on 127.0.0.1 and stops again.
 2. `lingctl train`: the `small` Ling MoE preset (16 fine-grained experts top-2 + a shared expert) trained
    for about two minutes on the built-in corpus (the Python standard library's sources), loss falling,
    ending with a Ling checkpoint in runs/demo-small.
+3. `lingctl babel`: that checkpoint synced to the local S3 server (full CRC verification, config.json
+   committed last), listed, and verified again by sampling.
 """
 
 from __future__ import annotations
@@ -30,12 +32,6 @@ def lingctl(*args: str, env: dict[str, str] | None = None) -> None:
 
 def main() -> None:
     lingctl("doctor")
-    with tempfile.TemporaryDirectory(prefix="lingctl-demo-") as tmp:
-        with serve_s3(Path(tmp) / "s3", buckets=["demo"]) as server:
-            print(f"\nlocal S3 server (rclone serve s3) at {server.endpoint}, pid {server.pid}", flush=True)
-            env = {**os.environ, **server.env()}
-            lingctl("doctor", "--probe", "s3://demo/roundtrip", "--probe-size", "64MiB", env=env)
-    print("\nthe S3 server is stopped and its files removed.")
 
     run = Path("runs/demo-small")
     shutil.rmtree(run, ignore_errors=True)  # the demo's own run directory; nothing else is touched
@@ -46,7 +42,20 @@ def main() -> None:
     print("\nloss by step:", ", ".join(f"{s}: {l:.2f}" for s, l in losses[:: max(1, len(losses) // 8)]),
           f"... {losses[-1][0]}: {losses[-1][1]:.2f}")
     latest = json.loads((run / "latest.json").read_text())
-    print(f"checkpoint (a Ling / Hugging Face bailing_moe directory): {run / latest['path']}")
+    checkpoint = run / latest["path"]
+    print(f"checkpoint (a Ling / Hugging Face bailing_moe directory): {checkpoint}")
+
+    with tempfile.TemporaryDirectory(prefix="lingctl-demo-") as tmp:
+        with serve_s3(Path(tmp) / "s3", buckets=["demo"]) as server:
+            print(f"\nlocal S3 server (rclone serve s3) at {server.endpoint}, pid {server.pid}", flush=True)
+            env = {**os.environ, **server.env()}
+            lingctl("doctor", "--probe", "s3://demo/roundtrip", "--probe-size", "64MiB", env=env)
+            target = f"s3://demo/checkpoints/{checkpoint.name}"
+            lingctl("babel", "sync", str(checkpoint), target, "--verify", "full", "--commit-last", "config.json",
+                    env=env)
+            lingctl("babel", "ls", target, "--recursive", env=env)
+            lingctl("babel", "verify", str(checkpoint), target, "--mode", "sampled", env=env)
+    print("\nthe S3 server is stopped and its files removed.")
     print("\ndemo finished.")
 
 
