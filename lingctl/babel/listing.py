@@ -7,6 +7,12 @@ parallel: every common prefix of a delimiter listing becomes its own task, and a
 truncated (a flat directory of many keys) is cut into StartAfter ranges that list side by side, each range
 splitting again when it is itself large. Results come back in batches while listing goes on, so a consumer
 can start comparing or copying early; batches arrive in no particular order.
+
+``rclone serve s3`` (the test server) honours start-after and encoding-type=url, but builds every reply from
+the whole directory (and by default reads every file in it for an MD5 ETag), so a request costs time in
+proportion to the directory, not the page. Splitting a flat directory there multiplies the server's work
+instead of dividing the wait; the lister measures what parallel requests gain and stops splitting when the
+gain is small (see ``_MIN_GAIN``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import random
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +41,7 @@ from lingctl.core.storage.url import StoreURL, parse_url
 log = logging.getLogger(__name__)
 
 _BATCH = 1000  # local entries per batch; S3 batches are pages, which hold at most 1000 keys
+_PAGE = 1000  # ListObjectsV2 max-keys: S3 and rclone cap it at 1000
 _MIN_ATTEMPTS = 5  # a long listing meets more transient errors than a single request does
 _BACKOFF_BASE, _BACKOFF_CAP = 0.1, 5.0
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -44,6 +52,10 @@ _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "Servic
 # Boundaries only balance the work; every key outside the class still falls in some range.
 _ALPHABETS = ("0123456789", "0123456789abcdef", "-.0123456789_abcdefghijklmnopqrstuvwxyz",
               "-./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~")
+# Splitting a range costs extra requests (the tail of each range, ranges that turn out empty): worth it
+# only while parallel requests finish at least this many times faster than one after another.
+_MIN_GAIN = 2.0
+_FIRST_SPLIT = 4  # ranges per split until the gain is measured
 _SPLIT_LEVELS = 3  # character positions, counted back from the page's common prefix, that get boundaries
 
 
@@ -67,7 +79,10 @@ def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 1
     """Every object under url (recursively), in batches, in no particular order.
 
     The root is checked (and S3 credentials resolved) at once; listing starts on the first ``next()``.
-    Directories (local) or common prefixes (S3) named in ``skip_dirs`` are skipped at any depth.
+    Directories (local) or common prefixes (S3) named in ``skip_dirs`` are skipped at any depth. Raises
+    ``NotFoundError`` (no such directory or bucket), ``AccessDeniedError``, ``UsageError`` (the root is a
+    file, bad options) and, once its retries are spent, ``RetryableError``. Stopping the iteration early
+    stops the workers.
     """
     root = parse_url(url) if isinstance(url, str) else url
     if jobs < 1:
@@ -216,6 +231,10 @@ class _LocalLister:
                     continue
                 except OSError as exc:
                     raise os_error(exc, entry.path) from exc
+                if not name.isascii() and not _utf8(name):
+                    # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is.
+                    log.warning("skipping %s: its name is not valid UTF-8", os.fsencode(entry.path))
+                    continue
                 batch.append(Listed(rel + name, st.st_size, st.st_mtime))
                 if len(batch) >= _BATCH:
                     crawl.emit(batch)
@@ -224,6 +243,7 @@ class _LocalLister:
             crawl.emit(batch)
 
     def _link_target(self, path: str) -> os.stat_result | None:
+        """The stat of a symlink's target when it is a file inside the root; None (and a warning) otherwise."""
         target = os.path.realpath(path)
         if os.path.isdir(target):
             # Not followed: a link to a directory can form a loop or pull in a whole foreign tree.
@@ -236,6 +256,14 @@ class _LocalLister:
             log.warning("skipping symlink %s: it points outside the source (%s)", path, target)
             return None
         return os.stat(target)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.scandir keeps undecodable bytes as lone surrogates
+        return False
+    return True
 
 
 # -- S3 ---------------------------------------------------------------------------------------------------
@@ -325,21 +353,33 @@ def _boundaries(prefix: str, names: list[str], until: str | None, limit: int) ->
     position q from len(lcp) back up to _SPLIT_LEVELS positions (never into ``prefix``) and a character c
     above ``last[q]``: fine ranges just past the page, coarser ones further on, none holding keys already
     seen. All are > last and < until, so the ranges (last, b1], (b1, b2], ..., (bn, until] cover the rest
-    exactly once. Their balance is a guess; a range that turns out large splits again.
+    exactly once. Their balance is a guess; a range that turns out large splits again. No boundaries means
+    "go on with the next page", which is itself split once it comes back truncated.
     """
     first, last = names[0], names[-1]
     p = len(_common_prefix(first, last))
-    seen = set("".join(n[len(prefix):] for n in names))
-    seen.discard("/")  # the end of every common prefix, not a character of names
-    alphabet = next((a for a in _ALPHABETS if seen <= set(a)), _ALPHABETS[-1])
-    out = set()
+    out: list[str] = []
     for q in range(p, max(len(prefix), p - _SPLIT_LEVELS + 1) - 1, -1):
+        if q == p:
+            seen = {n[p] for n in names if len(n) > p}
+        else:
+            seen = {last[q]}
+            # Above the split position only numbered (decimal or hex) names are worth coarser boundaries:
+            # past "file-0999" come "file-1", "file-2"...; past "cat" there is no telling what comes.
+            if not seen <= set(_ALPHABETS[1]):
+                break
+        seen.discard("/")  # the end of a common prefix, not part of a name
+        alphabet = next((a for a in _ALPHABETS if seen <= set(a)), _ALPHABETS[-1])
         floor = last[q] if q < len(last) else ""
-        for c in alphabet:
-            if c > floor:
-                b = last[:q] + c
-                if until is None or b < until:
-                    out.add(b)
+        level = [last[:q] + c for c in alphabet if c > floor and (until is None or last[:q] + c < until)]
+        if q == p and level:
+            # The page covered the characters first[p]..last[p] of the alphabet; if the ones left above
+            # hold clearly less than another page at that density, one more request beats tiny ranges.
+            low = first[p] if len(first) > p else ""
+            covered = sum(1 for c in alphabet if low <= c <= floor) or 1
+            if len(names) * len(level) / covered < _PAGE / 2:
+                continue
+        out += level
     bounds = sorted(out)
     if len(bounds) > limit:  # keep an even spread; dropping a boundary only merges two ranges
         step = len(bounds) / limit
@@ -395,14 +435,23 @@ class _S3Lister:
             self.http: Any = urllib3.ProxyManager(proxy, num_pools=2, **kwargs)
         else:
             self.http = urllib3.PoolManager(num_pools=2, **kwargs)
-        self._split_ok = True  # turned off if the server ignores start-after
+        # Range splitting stops for good when the server ignores start-after, or when parallel requests
+        # gain it little: a server that re-reads a whole directory per request (rclone serve s3 does)
+        # only does more work when one prefix is listed as many ranges.
+        self._split_ok = True
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._solo_latency: float | None = None  # fastest request seen with no other in flight
+        self._gain: float | None = None  # running estimate of concurrency * solo latency / latency
+        self._gain_samples = 0
+        self._gain_proven = False
 
     def close(self) -> None:
         self.http.clear()
 
     # -- one page ---------------------------------------------------------------------------------------
     def page(self, r: _Range, crawl: _Crawl) -> None:
-        params = {"list-type": "2", "prefix": r.prefix, "delimiter": "/", "max-keys": "1000",
+        params = {"list-type": "2", "prefix": r.prefix, "delimiter": "/", "max-keys": str(_PAGE),
                   "encoding-type": "url"}
         if r.token:
             params["continuation-token"] = r.token
@@ -451,13 +500,34 @@ class _S3Lister:
             return
         names.sort()
         last = names[-1]
-        bounds = (_boundaries(r.prefix, names, r.until, crawl.jobs)
-                  if self._split_ok and crawl.pending < 2 * crawl.jobs else [])
+        bounds: list[str] = []
+        if self._split_ok and 1 < crawl.jobs and crawl.pending < 2 * crawl.jobs:
+            # Few ranges until parallel requests have shown they pay, then up to one per worker.
+            bounds = _boundaries(r.prefix, names, r.until, crawl.jobs if self._gain_proven else _FIRST_SPLIT - 1)
         if not bounds:
             crawl.add(_Range(r.prefix, last, r.until, page.token))
             return
         for lo, hi in zip([last, *bounds], [*bounds, r.until]):
             crawl.add(_Range(r.prefix, lo, hi))
+
+    def _observe(self, concurrency: int, latency: float) -> None:
+        """Track how much parallel requests gain; turn splitting off when it is under _MIN_GAIN."""
+        with self._lock:
+            if concurrency == 1:
+                self._solo_latency = latency if self._solo_latency is None else min(self._solo_latency, latency)
+                return
+            if concurrency < 4 or self._solo_latency is None or not self._split_ok:
+                return
+            gain = concurrency * self._solo_latency / max(latency, 1e-6)
+            self._gain = gain if self._gain is None else 0.8 * self._gain + 0.2 * gain
+            self._gain_samples += 1
+            if self._gain_samples < 8:
+                return
+            self._gain_proven = self._gain >= _MIN_GAIN
+            if not self._gain_proven:
+                self._split_ok = False
+                log.info("S3 server at %s gains %.1fx from %d parallel requests; listing large prefixes page by "
+                         "page", self.endpoint or "AWS S3", self._gain, concurrency)
 
     # -- one request, with retries ----------------------------------------------------------------------
     def _get(self, params: dict[str, str], what: str, crawl: _Crawl) -> _Page:
@@ -480,14 +550,22 @@ class _S3Lister:
             request = AWSRequest(method="GET", url=url)
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
             crawl.count(requests=1)
+            with self._lock:
+                self._inflight += 1
+                concurrency = self._inflight
+            started = time.monotonic()
             try:
                 resp = self.http.request("GET", url, headers=dict(request.headers.items()), retries=False)
             except urllib3.exceptions.HTTPError as exc:
                 error = _connection_error(exc, url, bx)
                 log.debug("list %s: attempt %d: %s", what, attempt, exc)
                 continue
+            finally:
+                with self._lock:
+                    self._inflight -= 1
             body = resp.data.decode("utf-8", errors="replace")
             if resp.status == 200:
+                self._observe(concurrency, time.monotonic() - started)
                 page = _parse_page(body)
                 if page is not None:
                     return page

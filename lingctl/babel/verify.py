@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from lingctl.babel.filters import KeyFilter
 from lingctl.babel.index import ListingIndex
 from lingctl.babel.listing import ListStats, list_tree
-from lingctl.babel.sampling import DEFAULT_SAMPLES
+from lingctl.babel.sampling import DEFAULT_SAMPLES, sample_ranges
 from lingctl.babel.sides import open_side
 from lingctl.babel.sync import STATE_DIR_NAME
 from lingctl.babel.throttle import Aimd
@@ -31,7 +31,7 @@ class VerifyResult:
     mode: str
     checked: int = 0
     matched: int = 0
-    bytes_compared: int = 0
+    bytes_read: int = 0  # per side: what the comparison read (sampled ranges, or whole objects)
     differences: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -91,7 +91,8 @@ def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "
                         result.matched += 1
                     else:
                         result.differences.append(found)
-                    result.bytes_compared += pair[1]
+                    result.bytes_read += (pair[1] if mode == "full" else
+                                          sum(n for _, n in sample_ranges(pair[0], pair[1], samples=samples)))
     finally:
         a.close()
         b.close()

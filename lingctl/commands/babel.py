@@ -104,14 +104,17 @@ def sync(
                        shard=parse_shard(shard), commit_last=commit_last, state_dir=state_dir)
     s3 = s3_options(endpoint_url, region, profile, path_style, retries)
     with out.progress("syncing", total=0, unit="bytes") as bar:
-        queued = [0]
+        counts = {"queued": 0, "objects": 0, "listed": 0}
 
         def progress(kind: str, n: int) -> None:
             if kind == "queued":
-                queued[0] += n
-                bar.update(total=queued[0])
+                counts["queued"] += n
+                bar.update(total=counts["queued"])
             elif kind == "bytes":
                 bar.advance(n)
+            elif kind in ("copied", "listed"):
+                counts["objects" if kind == "copied" else "listed"] += n
+                bar.update(description=f"{counts['objects']} copied, {counts['listed']} listed")
 
         result = Syncer(parse_url(src), parse_url(dst), s3, opts, progress).run()
     _report(out, result)

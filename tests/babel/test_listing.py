@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lingctl.babel import listing
 from lingctl.babel.listing import Listed, ListStats, list_tree
 from lingctl.core.atomic import TMP_MARKER
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
@@ -68,6 +69,8 @@ def local_tree(tmp_path: Path) -> tuple[Path, dict[str, os.stat_result]]:
     (root / "link-out").symlink_to(outside)
     (root / "link-dir").symlink_to(root / "a", target_is_directory=True)
     (root / "link-broken").symlink_to(root / "absent")
+    with open(os.path.join(os.fsencode(root / "d"), b"latin1-\xe9.bin"), "wb") as f:  # not UTF-8: skipped
+        f.write(b"x")
     return root, expected
 
 
@@ -85,7 +88,7 @@ def test_local_tree_lists_every_file_once_with_exact_stats(local_tree, jobs: int
     assert stats.requests == 12  # directories scanned: 7 with files, deep/ and its 4 nested levels
     warned = caplog.text
     assert warned.count("link-out") == 1 and "outside" in warned
-    assert "link-dir" in warned and "link-broken" in warned
+    assert "link-dir" in warned and "link-broken" in warned and "not valid UTF-8" in warned
 
 
 def test_local_without_skip_dirs_lists_state_files(local_tree) -> None:
@@ -105,6 +108,18 @@ def test_local_root_errors(tmp_path: Path) -> None:
     assert collect(list_tree(str(tmp_path))).keys() == {"file"}
 
 
+def test_batches_stream_while_listing_goes_on(local_tree) -> None:
+    root, expected = local_tree
+    stats = ListStats()
+    it = list_tree(str(root), jobs=1, stats=stats, skip_dirs=frozenset({".lingctl-babel"}))
+    first = next(it)
+    time.sleep(0.2)  # give the worker time to run ahead as far as it may
+    # One batch per directory here; the worker stops a few batches ahead of the consumer.
+    assert first and stats.requests < 12
+    assert len(collect([first, *it])) == len(expected)
+    assert stats.requests == 12
+
+
 def test_stopping_early_releases_the_workers(local_tree) -> None:
     root, _ = local_tree
     before = threading.active_count()
@@ -122,7 +137,7 @@ WEIRD_KEYS = ["weird/with space.txt", "weird/plus+sign", "weird/percent%20litera
 
 
 def flat_keys() -> list[str]:
-    """~4,900 keys under flat/: every boundary character as a first character, keys that equal split
+    """~6,200 keys under flat/: every boundary character as a first character, keys that equal split
     boundaries exactly ("flat/a", "flat/xQ"), one dense first character (x) that needs a second split, and a
     numbered subdirectory (flat/m/) that needs splits at digit positions."""
     keys = []
@@ -131,7 +146,7 @@ def flat_keys() -> list[str]:
             keys.append(f"flat/{c}")
         keys += [f"flat/{c}{i:02d}" for i in range(30)]
         keys.append(f"flat/x{c}")
-        keys += [f"flat/x{c}{i:02d}" for i in range(20)]
+        keys += [f"flat/x{c}{i:02d}" for i in range(40)]
     keys += [f"flat/m/{i:05d}" for i in range(1500)]
     keys += ["flat/m-1", "flat/m.2"]  # '-' and '.' sort before '/': around the common prefix flat/m/
     return keys
@@ -162,13 +177,19 @@ def tree_bucket(s3_server: LocalS3Server) -> Iterator[str]:
         yield name
 
 
-def reference(bucket: str, prefix: str = "") -> dict[str, tuple[int, float, str]]:
-    client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
-    out = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for o in page.get("Contents", ()):
-            out[o["Key"][len(prefix):]] = (o["Size"], o["LastModified"].timestamp(), o["ETag"].strip('"'))
-    return out
+_references: dict[str, dict[str, tuple[int, float, str]]] = {}
+
+
+def reference(bucket: str) -> dict[str, tuple[int, float, str]]:
+    """What boto3's paginator lists in ``bucket``: key -> (size, mtime, etag)."""
+    if bucket not in _references:
+        client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
+        _references[bucket] = {
+            o["Key"]: (o["Size"], o["LastModified"].timestamp(), o["ETag"].strip('"'))
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", ())
+        }
+    return _references[bucket]
 
 
 @pytest.mark.slow
@@ -183,12 +204,18 @@ def test_s3_bucket_listing_equals_paginator(tree_bucket: str, s3_env, jobs: int)
 
 
 @pytest.mark.slow
-def test_s3_flat_prefix_lists_in_parallel_ranges(tree_bucket: str, s3_env) -> None:
+@pytest.mark.parametrize("forced", [False, True], ids=["adaptive", "forced"])
+def test_s3_flat_prefix_lists_in_parallel_ranges(tree_bucket: str, s3_env, forced: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if forced:
+        # Split at full width whatever the measured gain, so every boundary case below is met.
+        monkeypatch.setattr(listing, "_MIN_GAIN", 0.0)
+        monkeypatch.setattr(listing, "_FIRST_SPLIT", 64)
     stats = ListStats()
     got = collect(list_tree(f"s3://{tree_bucket}/flat", jobs=16, stats=stats))
     assert set(got) == {k.removeprefix("flat/") for k in flat_keys()}
-    # Serially: 4 pages for flat/ and 2 for flat/m/. Far more requests means the key space was split.
-    assert stats.requests > 10
+    # Page by page this takes 7 requests: 5 for flat/ and 2 for flat/m/. More means ranges were listed.
+    assert stats.requests > (40 if forced else 7)
 
 
 @pytest.mark.slow
