@@ -27,7 +27,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -96,9 +95,11 @@ def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 1
 
 
 class _Crawl:
-    """A thread pool whose tasks may add more tasks; batches come back through a bounded queue.
+    """Worker threads whose tasks may add more tasks; batches come back through a bounded queue.
 
     The bound is backpressure: a consumer slower than the listing holds the workers instead of memory.
+    The workers are daemon threads, unlike a ThreadPoolExecutor's: a listing abandoned without close()
+    (its generator kept alive by a traceback) must not hold up the interpreter's exit.
     """
 
     _DONE = object()
@@ -109,23 +110,17 @@ class _Crawl:
         self.stats = stats
         self._work = work
         self._close = close
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._out: queue.Queue[Any] = queue.Queue(maxsize=4 * jobs)
         self._lock = threading.Lock()
-        self.pending = 0  # tasks submitted and not finished; the listing is over when it drops to 0
+        self.pending = 0  # tasks added and not finished; the listing is over when it drops to 0
         self.stopped = threading.Event()
-        self._pool: ThreadPoolExecutor | None = None
 
     def add(self, task: Any) -> None:
-        if self.stopped.is_set():
-            return
-        with self._lock:
-            self.pending += 1
-        try:
-            assert self._pool is not None
-            self._pool.submit(self._run, task)
-        except RuntimeError:  # the pool shut down because the consumer stopped; nothing more to do
+        if not self.stopped.is_set():
             with self._lock:
-                self.pending -= 1
+                self.pending += 1
+            self._tasks.put(task)
 
     def emit(self, batch: list[Listed]) -> None:
         self._put(batch)
@@ -143,21 +138,24 @@ class _Crawl:
             except queue.Full:
                 continue
 
-    def _run(self, task: Any) -> None:
-        try:
-            if not self.stopped.is_set():
+    def _worker(self) -> None:
+        while (task := self._tasks.get()) is not None and not self.stopped.is_set():
+            try:
                 self._work(task, self)
-        except BaseException as exc:  # handed to the consumer's thread, which raises it
-            self._put(exc)
-        finally:
-            with self._lock:
-                self.pending -= 1
-                done = self.pending == 0
-            if done:
-                self._put(self._DONE)
+            except BaseException as exc:  # handed to the consumer's thread, which raises it
+                self._put(exc)
+            finally:
+                with self._lock:
+                    self.pending -= 1
+                    done = self.pending == 0
+                if done:
+                    self._put(self._DONE)
 
     def run(self, first: Any) -> Iterator[list[Listed]]:
-        self._pool = ThreadPoolExecutor(self.jobs, thread_name_prefix="lingctl-list")
+        workers = [threading.Thread(target=self._worker, name=f"lingctl-list-{i}", daemon=True)
+                   for i in range(self.jobs)]
+        for w in workers:
+            w.start()
         try:
             self.add(first)
             while True:
@@ -170,9 +168,12 @@ class _Crawl:
                 yield item
         finally:
             # Also reached when the consumer stops early: queued tasks are dropped, running ones finish
-            # their current request and exit.
+            # their current request or directory and exit.
             self.stopped.set()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            for _ in workers:
+                self._tasks.put(None)
+            for w in workers:
+                w.join()
             if self._close is not None:
                 self._close()
             log.debug("listing done: %d objects, %d requests, %d retries", self.stats.objects,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -21,6 +23,7 @@ from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import make_client
+from tests.support.fault_proxy import FaultProxy, every_nth, first_n
 
 # Every character the lister places range boundaries at, but "/" (a directory on the server's disk).
 ALPHABET = "-.0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~"
@@ -127,6 +130,15 @@ def test_stopping_early_releases_the_workers(local_tree) -> None:
     assert next(it)
     it.close()
     assert threading.active_count() == before
+
+
+def test_abandoned_listing_does_not_block_exit(local_tree) -> None:
+    root, _ = local_tree
+    # The generator stays suspended (a global holds it) with its workers blocked on a full queue.
+    code = ("import sys; from lingctl.babel.listing import list_tree\n"
+            f"it = list_tree({str(root)!r}, jobs=1)\nnext(it)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
 
 
 # -- S3 ---------------------------------------------------------------------------------------------------
@@ -236,6 +248,28 @@ def test_s3_stopping_early_releases_the_workers(tree_bucket: str, s3_env) -> Non
     assert next(it)
     it.close()
     assert threading.active_count() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["503", "reset"])
+def test_s3_transient_faults_are_retried(tree_bucket: str, s3_env, s3_server: LocalS3Server, fault: str) -> None:
+    with FaultProxy(s3_server.endpoint, rule=every_nth(3, fault)) as proxy:
+        stats = ListStats()
+        got = collect(list_tree(f"s3://{tree_bucket}", S3Options(endpoint_url=proxy.endpoint), stats=stats))
+    assert {k: (e.size, e.mtime, e.etag) for k, e in got.items()} == reference(tree_bucket)
+    assert stats.retries == stats.requests // 3 > 0  # every third request failed once and was sent again
+
+
+@pytest.mark.slow
+def test_s3_throttling_that_persists_is_retryable_exhausted(tree_bucket: str, s3_env,
+                                                            s3_server: LocalS3Server) -> None:
+    stats = ListStats()
+    with FaultProxy(s3_server.endpoint, rule=first_n(1000)) as proxy, \
+            pytest.raises(RetryableError, match="after 5 attempt.*SlowDown") as info:
+        collect(list_tree(f"s3://{tree_bucket}", S3Options(endpoint_url=proxy.endpoint, max_attempts=2),
+                          stats=stats))
+    assert info.value.exit_code == 5
+    assert (stats.requests, stats.retries) == (5, 4)
 
 
 @pytest.mark.slow
