@@ -3,8 +3,11 @@
 It records, per destination key, what babel last wrote there (size, source mtime, CRC64NVME, the
 destination's etag/mtime), and the multipart uploads in progress with their finished parts. A re-run uses
 it to skip finished objects without asking the store about each one (no per-object HEAD), and to continue
-a half-done multipart upload from its finished parts. Every change is one committed transaction (WAL
-mode), so a crash loses at most the object or part in flight, which is then simply redone.
+a half-done multipart upload from its finished parts. Multipart changes are committed one by one (WAL
+mode); finished objects are committed in small batches by a writer thread (every 50 ms), since one commit
+per small object would cost more than copying it. A crash loses at most the last batch: those objects are
+found at the destination with the right size and are recognised by their mtime (one HEAD each on S3), or
+copied again, never half-visible.
 """
 
 from __future__ import annotations
@@ -50,28 +53,58 @@ class Journal:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
+        self._pending: list[tuple] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name="babel-journal", daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending or self._closing, timeout=0.05)
+                if self._closing and not self._pending:
+                    return
+            self.flush()
+
+    def flush(self) -> None:
+        with self._cv:
+            rows, self._pending = self._pending, []
+        if rows:
+            with self._lock:
+                self._db.execute("BEGIN")
+                self._db.executemany("INSERT OR REPLACE INTO done VALUES (?, ?, ?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
 
     def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._writer.join()
+        self.flush()
         with self._lock:
             self._db.close()
 
     def done(self, key: str) -> Done | None:
+        self.flush()
         with self._lock:
             row = self._db.execute("SELECT size, src_mtime, crc, dst_etag, dst_mtime FROM done WHERE key=?",
                                    (key,)).fetchone()
         return Done(*row) if row else None
 
     def all_done(self) -> dict[str, Done]:
+        self.flush()
         with self._lock:
             rows = self._db.execute("SELECT key, size, src_mtime, crc, dst_etag, dst_mtime FROM done").fetchall()
         return {r[0]: Done(*r[1:]) for r in rows}
 
     def mark_done(self, key: str, rec: Done) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO done VALUES (?, ?, ?, ?, ?, ?)",
-                             (key, rec.size, rec.src_mtime, rec.crc, rec.dst_etag, rec.dst_mtime))
+        with self._cv:
+            self._pending.append((key, rec.size, rec.src_mtime, rec.crc, rec.dst_etag, rec.dst_mtime))
+            self._cv.notify()
 
     def forget(self, key: str) -> None:
+        self.flush()
         with self._lock:
             self._db.execute("DELETE FROM done WHERE key=?", (key,))
 
@@ -104,6 +137,7 @@ class Journal:
 
     def end_upload(self, key: str, done: Done | None) -> None:
         """The upload completed (``done``) or was abandoned (None): drop its parts, record the object."""
+        self.flush()
         with self._lock:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM parts WHERE key=?", (key,))
