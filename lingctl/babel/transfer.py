@@ -56,6 +56,9 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
                     pool: ThreadPoolExecutor, on_resumed: Callable[[int], None] | None) -> Done:
     key = item.key
     count = math.ceil(item.size / psize)
+    # The source's own full CRC, when it has one, is recorded with the new object from the start (multipart
+    # metadata cannot be added later) and checked against the parts' combined CRC before completing.
+    expected = src.crc_tag(key)
     upload = journal.upload(key) if dst.resumable_uploads else None
     finished: dict[int, tuple[str, int, int]] = {}
     if upload is not None and (upload.size, upload.src_mtime, upload.part_size) == (item.size, item.mtime, psize):
@@ -66,7 +69,7 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
     else:
         if upload is not None:  # the source changed since: that upload cannot be continued
             dst.abort(key, upload.upload_id)
-        upload_id = dst.create_upload(key, item.size, item.mtime, None)
+        upload_id = dst.create_upload(key, item.size, item.mtime, expected)
         if dst.resumable_uploads:
             journal.start_upload(key, Upload(upload_id, item.size, item.mtime, psize))
 
@@ -94,6 +97,12 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
     total = Crc64()
     for n in range(1, count + 1):
         total.extend(results[n][1])
+    if expected is not None and total.tagged() != expected:
+        dst.abort(key, upload_id)
+        if dst.resumable_uploads:
+            journal.end_upload(key, None)
+        raise RetryableError(f"{key}: the parts read add up to {total.tagged()}, but the source records "
+                             f"{expected}; the source changed during the copy (nothing was completed)")
     etag, dst_mtime = dst.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)], item.mtime)
     done = Done(item.size, item.mtime, total.tagged(), etag, dst_mtime)
     if dst.resumable_uploads:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lingctl.babel.sides import LocalSide
+from lingctl.core.checksum import crc64_bytes, tag_from_b64
 from lingctl.core.errors import LingctlError
 from lingctl.core.storage import S3Options, parse_url
 from lingctl.core.storage.s3 import make_client
@@ -103,6 +104,12 @@ def test_all_directions_with_multipart_and_full_verify(lingctl, tmp_path, s3_buc
     assert doc["copied"] == len(files) and doc["verified"] == len(files) and doc["failed"] == []
     got = read_tree(tmp_path / "dst") if dest.startswith("/") else s3_tree(s3_bucket, dest.split("/", 3)[3])
     assert got == files
+    if dest.startswith("s3://"):
+        # The multipart object carries the full-object CRC64NVME of the source from its creation on.
+        client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
+        head = client.head_object(Bucket=s3_bucket, Key=dest.split("/", 3)[3] + "/big/model.safetensors")
+        meta = {k.lower(): v for k, v in head["Metadata"].items()}
+        assert tag_from_b64(meta["lingctl-crc64nvme"]) == crc64_bytes(files["big/model.safetensors"]).tagged()
     res, doc = babel(lingctl, "verify", source, dest, "--mode", "full", env=cache_env)
     assert res.returncode == 0 and doc["ok"] and doc["checked"] == len(files)
     # A no-op re-sync decides from the listings and the journal alone: no HEAD per object.
