@@ -131,8 +131,10 @@ class Syncer:
         else:
             self.dst.check()
         state = state_dir_for(self.dst_url, opts.state_dir)
-        self.journal = Journal(state / "journal.sqlite")
-        self.result.journal = str(state / "journal.sqlite")
+        journal_path = state / "journal.sqlite"
+        # A dry run creates nothing: without a journal yet it plans against an empty one in memory.
+        self.journal = Journal(None if opts.dry_run and not journal_path.exists() else journal_path)
+        self.result.journal = str(journal_path)
         index = ListingIndex()
         src_seen = ListingIndex() if opts.delete else None
         try:
@@ -173,6 +175,8 @@ class Syncer:
                         fut = objects.submit(self._copy, item)
                         fut.add_done_callback(lambda _f: window.release())
                         futures.append(fut)
+                        if len(futures) > 8 * opts.jobs:
+                            futures = self._reap(futures)  # a huge sync must not keep a future per object
                 for fut in futures:
                     fut.result()
                 if deferred:
@@ -201,6 +205,17 @@ class Syncer:
         self.result.min_concurrency = int(self.gate.lowest)
         self.result.seconds = round(time.monotonic() - start, 3)
         return self.result
+
+    @staticmethod
+    def _reap(futures: list[Future[Any]]) -> list[Future[Any]]:
+        """Drop finished futures, re-raising any unexpected error (expected ones are recorded by _copy)."""
+        pending = []
+        for fut in futures:
+            if fut.done():
+                fut.result()
+            else:
+                pending.append(fut)
+        return pending
 
     def _is_commit_last(self, key: str) -> bool:
         name = self.opts.commit_last or ""

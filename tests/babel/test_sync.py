@@ -272,7 +272,7 @@ def test_dry_run_changes_nothing_and_ls_lists(lingctl, tmp_path):
     files = make_tree(src)
     res, doc = babel(lingctl, "sync", str(src), str(dst), "--dry-run")
     assert res.returncode == 0 and sorted(doc["would_copy"]) == sorted(files)
-    assert not dst.exists() or read_tree(dst) == {}
+    assert not dst.exists()
     res, doc = babel(lingctl, "ls", str(src), "--recursive")
     assert [d["key"] for d in doc] == sorted(files) and doc[0]["size"] == len(files[doc[0]["key"]])
     res, doc = babel(lingctl, "ls", str(src), "--summary")
