@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lingctl.babel import listing
+from lingctl.babel import s3_listing
 from lingctl.babel.listing import Listed, ListStats, list_tree
 from lingctl.core.atomic import TMP_MARKER
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
@@ -221,8 +221,8 @@ def test_s3_flat_prefix_lists_in_parallel_ranges(tree_bucket: str, s3_env, force
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     if forced:
         # Split at full width whatever the measured gain, so every boundary case below is met.
-        monkeypatch.setattr(listing, "_MIN_GAIN", 0.0)
-        monkeypatch.setattr(listing, "_FIRST_SPLIT", 64)
+        monkeypatch.setattr(s3_listing, "_MIN_GAIN", 0.0)
+        monkeypatch.setattr(s3_listing, "_FIRST_SPLIT", 64)
     stats = ListStats()
     got = collect(list_tree(f"s3://{tree_bucket}/flat", jobs=16, stats=stats))
     assert set(got) == {k.removeprefix("flat/") for k in flat_keys()}
