@@ -16,7 +16,6 @@ from lingctl.core.errors import LingctlError
 PLANNED: dict[str, str] = {
     "timer": "Trace a running training process: step breakdown, hang and straggler diagnosis.",
     "pcache": "Plan and run checkpoint writes spread across nodes, tiered to remote storage.",
-    "flood": "Offline batch inference with a segment KV cache, prefix sharing and pipeline stages.",
 }
 
 

@@ -60,7 +60,8 @@ class _NoProgress:
     def advance(self, amount: float = 1) -> None:
         pass
 
-    def update(self, *, total: float | None = None, description: str | None = None) -> None:
+    def update(self, *, total: float | None = None, description: str | None = None,
+               completed: float | None = None) -> None:
         pass
 
 
@@ -72,10 +73,13 @@ class _Task:
     def advance(self, amount: float = 1) -> None:
         self._progress.advance(self._id, amount)
 
-    def update(self, *, total: float | None = None, description: str | None = None) -> None:
+    def update(self, *, total: float | None = None, description: str | None = None,
+               completed: float | None = None) -> None:
         kwargs: dict[str, Any] = {}
         if total is not None:
             kwargs["total"] = total
+        if completed is not None:
+            kwargs["completed"] = completed
         if description is not None:
             kwargs["description"] = description
         self._progress.update(self._id, **kwargs)

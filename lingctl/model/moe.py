@@ -120,12 +120,25 @@ def _combine(ys_ND: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
 
 
 def dispatch_sorted(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                    experts: nn.ModuleList) -> torch.Tensor:
-    """One gather into expert order, one SwiGLU per expert on a contiguous slice, one scatter-add."""
+                    experts: nn.ModuleList, *, min_rows: int = 1) -> torch.Tensor:
+    """One gather into expert order, one SwiGLU per expert on a contiguous slice, one scatter-add.
+
+    ``min_rows`` pads each expert's slice with zero rows up to that many. CPU BLAS computes a 1-row product
+    (gemv) and products of a few rows with other kernels than larger ones, so a token's expert output would
+    otherwise depend on how many other tokens picked the same expert; inference pads to make each token's
+    result independent of its batch (see flood's forward pass)."""
     t, k = idx_TK.shape
     order_N, _, counts = _sort_by_expert(idx_TK, len(experts))
     xs_ND = x_TD[order_N // k]
-    outs = [expert(chunk) for expert, chunk, n in zip(experts, xs_ND.split(counts), counts) if n]
+    outs = []
+    for expert, chunk, n in zip(experts, xs_ND.split(counts), counts):
+        if not n:
+            continue
+        if n < min_rows:
+            chunk = torch.cat([chunk, chunk.new_zeros(min_rows - n, chunk.shape[1])])
+            outs.append(expert(chunk)[:n])
+        else:
+            outs.append(expert(chunk))
     return _combine(torch.cat(outs), order_N, weight_TK, t, k, x_TD.dtype)
 
 

@@ -1,0 +1,277 @@
+"""``flood run``: batch file in, OpenAI batch output out, through the engine.
+
+Order of work: validate the whole batch file; open the model directory (config, tokenizer, template); turn
+prompts into token ids; on ``--resume`` read what was already answered; plan memory from the config alone;
+then (unless ``--dry-run``) load the weights and run, writing each answer the moment it is final.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lingctl.core.errors import Interrupted, LingctlError, UsageError
+from lingctl.flood.batch_output import BatchOutput, default_paths
+from lingctl.flood.engine import Engine, EngineConfig, EngineStats, GenRequest, GenResult, LocalRunner
+from lingctl.flood.model_dir import ModelDir
+from lingctl.flood.plan import MemoryPlan, plan_memory
+from lingctl.flood.prefix import plan_prefixes
+from lingctl.flood.requests import Request, read_batch
+from lingctl.flood.segment_cache import KVPool
+from lingctl.flood.text import PromptError, TextCodec
+from lingctl.model.checkpoint import parse_dtype
+
+log = logging.getLogger(__name__)
+
+ENGINE_VERSION = "flood/1"
+
+
+@dataclass(kw_only=True, slots=True)
+class FloodOptions:
+    batch: Path
+    model: Path
+    out: Path | None = None
+    errors: Path | None = None
+    resume: bool = False
+    stages: int = 1
+    max_batch_tokens: int = 1024
+    max_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    dtype: str = "float32"
+    quantize: str | None = None
+    prefix_sharing: bool = True
+    chat_template: Path | None = None
+    threads: int | None = None
+    dry_run: bool = False
+    chunk: int = 16  # prompt chunk / prefix block; fixes numerics, so it is part of the manifest
+
+    def validate(self) -> None:
+        if self.stages < 1:
+            raise UsageError(f"--stages must be >= 1, got {self.stages}")
+        if self.max_batch_tokens < self.chunk:
+            raise UsageError(f"--max-batch-tokens must be at least {self.chunk}, got {self.max_batch_tokens}")
+        if self.max_seqs < 1:
+            raise UsageError(f"--max-seqs must be >= 1, got {self.max_seqs}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise UsageError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.quantize not in (None, "int8"):
+            raise UsageError(f"--quantize {self.quantize!r} is not supported; use int8")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FloodSummary:
+    out: str
+    errors: str
+    requests: int = 0  # lines that parsed into requests
+    invalid_lines: int = 0
+    already_done: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    generated_tokens_per_s: float = 0.0
+    prefix_entries: int = 0
+    prefix_tokens_saved: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    kv_cache_tokens: int = 0
+    kv_peak_tokens: int = 0
+    dry_run: bool = False
+    plan: MemoryPlan | None = None
+    estimated_generated_tokens: int = 0
+    interrupted: bool = False
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Job:
+    req: Request
+    ids: list[int]
+
+
+def _manifest(opts: FloodOptions, md: ModelDir, batch_name: str) -> dict[str, Any]:
+    return {
+        "engine": ENGINE_VERSION, "model": str(md.path), "model_fingerprint": md.fingerprint(),
+        "dtype": opts.dtype, "quantize": opts.quantize, "prompt_chunk": opts.chunk, "batch": batch_name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # What changes answers; batch size, stages and cache size do not (outputs are batch-invariant).
+        "compare": ["engine", "model_fingerprint", "dtype", "quantize", "prompt_chunk"],
+    }
+
+
+def _body(job: _Job, res: GenResult, codec: TextCodec, model_name: str) -> dict[str, Any]:
+    text = res.stop_text if res.stop_text is not None else codec.decode(res.token_ids)
+    usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
+             "total_tokens": res.prompt_tokens + len(res.token_ids),
+             "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+    created = int(time.time())
+    model = job.req.model or model_name
+    if job.req.is_chat:
+        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": created,
+                "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                             "finish_reason": res.finish_reason, "logprobs": None,
+                                             "token_ids": res.token_ids}], "usage": usage}
+    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": res.finish_reason, "logprobs": None,
+                         "token_ids": res.token_ids}], "usage": usage}
+
+
+def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSummary], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> FloodSummary:
+    opts.validate()
+    dtype = parse_dtype(opts.dtype)
+    batch = read_batch(opts.batch)
+    md = ModelDir.open(opts.model)
+    if not opts.dry_run:
+        md.check_weights()
+    template = opts.chat_template.read_text() if opts.chat_template is not None else md.chat_template()
+    codec = TextCodec.for_model(md.path, chat_template=template, tokenizer_config=md.tokenizer_config())
+    codec.check_template()
+    out, errors = default_paths(opts.batch, opts.out, opts.errors)
+    summary = FloodSummary(out=str(out), errors=str(errors), requests=len(batch.requests),
+                           invalid_lines=len(batch.errors), dry_run=opts.dry_run)
+
+    jobs: list[_Job] = []
+    rejected: list[tuple[Request, str]] = []
+    for req in batch.requests:
+        try:
+            jobs.append(_Job(req, codec.prompt_ids(req)))
+        except PromptError as exc:
+            rejected.append((req, str(exc)))
+
+    output: BatchOutput | None = None
+    if not opts.dry_run:  # a dry run opens no files; it plans for the whole batch
+        output = BatchOutput(out, errors, _manifest(opts, md, opts.batch.name), resume=opts.resume)
+    done = output.state.done if output is not None else set()
+    reported = output.state.error_lines if output is not None else set()
+    try:
+        if output is not None:
+            for err in batch.errors:
+                if err.line not in reported:
+                    output.write_error(custom_id=err.custom_id, line=err.line, code=err.code,
+                                       message=err.message, status_code=None if err.custom_id is None else 400)
+            for req, message in rejected:
+                if req.custom_id not in done:
+                    output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_prompt",
+                                       message=message)
+                    summary.failed += 1
+        summary.already_done = sum(1 for j in jobs if j.req.custom_id in done)
+        jobs = [j for j in jobs if j.req.custom_id not in done]
+        plan = _plan(opts, md, jobs, dtype)
+        summary.plan = plan
+        summary.kv_cache_tokens = plan.kv_tokens
+        summary.estimated_generated_tokens = sum(_max_new(md, j) for j in jobs)
+        if opts.dry_run:
+            pp = plan_prefixes([j.ids for j in jobs], opts.chunk) if opts.prefix_sharing else None
+            summary.prefix_entries = len(pp.entries) if pp else 0
+            summary.prefix_tokens_saved = pp.tokens_saved if pp else 0
+            summary.prompt_tokens = sum(len(j.ids) for j in jobs)
+            return summary
+        assert output is not None
+        _generate(opts, md, codec, jobs, plan, dtype, output, summary, on_progress, should_stop)
+        return summary
+    finally:
+        if output is not None:
+            output.close()
+
+
+def _max_new(md: ModelDir, job: _Job) -> int:
+    room = md.config.max_position_embeddings - len(job.ids)
+    want = job.req.sampling.max_tokens
+    return max(0, room if want is None else min(want, room))
+
+
+def _plan(opts: FloodOptions, md: ModelDir, jobs: list[_Job], dtype: torch.dtype) -> MemoryPlan:
+    sizes = [len(j.ids) + _max_new(md, j) for j in jobs]
+    largest = max((len(j.ids) + 1 for j in jobs if len(j.ids) < md.config.max_position_embeddings), default=1)
+    saved = plan_prefixes([j.ids for j in jobs], opts.chunk).tokens_saved if opts.prefix_sharing and jobs else 0
+    return plan_memory(md.config, dtype=dtype, quantize=opts.quantize, kv_cache_tokens=opts.kv_cache_tokens,
+                       max_batch_tokens=opts.max_batch_tokens, max_seqs=opts.max_seqs,
+                       batch_kv_tokens=max(1, sum(sizes) - saved), largest_request_tokens=largest)
+
+
+def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Job], plan: MemoryPlan,
+              dtype: torch.dtype, output: BatchOutput, summary: FloodSummary,
+              on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+              should_stop: Callable[[], bool] | None) -> None:
+    if not jobs:
+        return
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    config = EngineConfig(kv_cache_tokens=plan.kv_tokens, max_batch_tokens=opts.max_batch_tokens,
+                          max_seqs=opts.max_seqs, chunk=opts.chunk, prefix_sharing=opts.prefix_sharing,
+                          stages=opts.stages)
+    if opts.stages > 1:
+        from lingctl.flood.pipeline import PipelineRunner
+
+        runner: Any = PipelineRunner(md.path, stages=opts.stages, dtype=dtype, quantize=opts.quantize,
+                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=opts.threads)
+    else:
+        model = md.load(dtype=dtype, quantize=opts.quantize)
+        c = md.config
+        runner = LocalRunner(model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads,
+                                           c.head_dim, dtype))
+    engine = Engine(config, model_config=md.config, runner=runner, eos_ids=md.eos_ids(),
+                    stop_check=codec.stop_check if codec.tokenizer is not None else None)
+    by_key = {id(j): j for j in jobs}
+    requests = [GenRequest(key=id(j), prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id)
+                for j in jobs]
+    model_name = md.path.name
+    started = time.monotonic()
+    try:
+        for res in engine.generate(requests, on_step=lambda s: _progress(s, summary, on_progress)):
+            job = by_key[res.key]
+            if res.error is not None:
+                output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="request_too_large",
+                                   message=res.error)
+                summary.failed += 1
+            else:
+                output.write_result(job.req.custom_id, _body(job, res, codec, model_name))
+                summary.succeeded += 1
+                summary.prompt_tokens += res.prompt_tokens
+                summary.cached_prompt_tokens += res.cached_tokens
+            if should_stop is not None and should_stop():
+                summary.interrupted = True
+                break
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        engine.close()
+        _fill(summary, engine.stats, time.monotonic() - started)
+    if summary.interrupted:
+        output.close()
+        raise Interrupted(f"interrupted after {summary.succeeded + summary.failed} answers; every answer written "
+                          f"so far is kept", hint="continue with the same command plus --resume")
+
+
+def _progress(stats: EngineStats, summary: FloodSummary,
+              on_progress: Callable[[EngineStats, FloodSummary], None] | None) -> None:
+    if on_progress is not None:
+        on_progress(stats, summary)
+
+
+def _fill(summary: FloodSummary, stats: EngineStats, seconds: float) -> None:
+    summary.generated_tokens = stats.generated_tokens
+    summary.seconds = seconds
+    summary.generated_tokens_per_s = stats.generated_tokens / seconds if seconds > 0 else 0.0
+    summary.prefix_entries = stats.prefix_entries
+    summary.prefix_tokens_saved = stats.prefix_tokens_saved
+    summary.steps = stats.scheduler.steps
+    summary.preemptions = stats.scheduler.preemptions
+    summary.kv_peak_tokens = stats.scheduler.peak_used_slots
+    summary.engine = dataclasses.asdict(stats.scheduler)
+
+
+__all__ = ["FloodOptions", "FloodSummary", "run_batch", "LingctlError"]

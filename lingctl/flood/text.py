@@ -1,0 +1,89 @@
+"""Text in and out: prompts to token ids (completions verbatim, chat through the model's template) and
+generated ids back to text, with OpenAI's stop-string semantics (the stop string is not part of the text)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.errors import LingctlError
+from lingctl.flood.requests import Request
+
+
+class PromptError(ValueError):
+    """A request that cannot be turned into token ids; reported for that request only."""
+
+
+def _special(value: Any) -> str:
+    if isinstance(value, dict):  # tokenizer_config.json may hold AddedToken dicts
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+@dataclass(slots=True)
+class TextCodec:
+    tokenizer: Any | None  # tokenizers.Tokenizer
+    chat_template: str | None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @staticmethod
+    def for_model(path: Path, *, chat_template: str | None, tokenizer_config: dict[str, Any]) -> TextCodec:
+        tok = None
+        if (path / "tokenizer.json").exists():
+            from lingctl.train.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(path / "tokenizer.json")
+        return TextCodec(tok, chat_template, _special(tokenizer_config.get("bos_token")),
+                         _special(tokenizer_config.get("eos_token")))
+
+    def _template(self) -> Any:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template or "")
+        except TemplateError as exc:
+            raise LingctlError(f"the chat template does not compile: {exc}") from None
+
+    def check_template(self) -> None:
+        if self.chat_template is not None:
+            self._template()
+
+    def prompt_ids(self, req: Request) -> list[int]:
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        if self.tokenizer is None:
+            raise PromptError("the model has no tokenizer.json: send prompts as arrays of token ids")
+        if req.is_chat:
+            if self.chat_template is None:
+                raise PromptError("the model has no chat template (tokenizer_config.json chat_template or "
+                                  "chat_template.jinja); pass --chat-template FILE or use /v1/completions")
+            from jinja2.exceptions import TemplateError
+
+            try:
+                text = self._template().render(messages=req.messages, add_generation_prompt=True,
+                                               bos_token=self.bos_token, eos_token=self.eos_token)
+            except TemplateError as exc:
+                raise PromptError(f"chat template failed: {exc}") from None
+            # The template already holds whatever special tokens the model expects.
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # Completions: the prompt exactly as given, no BOS, no template (as OpenAI's completions endpoint).
+        return self.tokenizer.encode(req.prompt_text or "", add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stop_check(self, generated: list[int], stops: list[str]) -> str | None:
+        """Text before the earliest stop string, once one has appeared; else None."""
+        text = self.decode(generated)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        return text[:min(hits)] if hits else None

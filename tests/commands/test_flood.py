@@ -1,0 +1,252 @@
+"""`lingctl flood run` as a real subprocess: output format and order, errors file, resume after SIGKILL,
+SIGTERM, text and chat prompts, dry runs, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lingctl.model.presets import preset
+
+
+def write_batch(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def greedy(cid: str, ids: list[int], n: int) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0}}
+
+
+def test_output_is_openai_batch_format_in_completion_order(lingctl, tiny_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [greedy("long", [5, 6, 7], 40), greedy("short", [8, 9], 1),
+                                               {"custom_id": "plain", "prompt": [3, 4, 5], "max_tokens": 5}])
+    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "--max-seqs", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["succeeded"] == 3 and summary["failed"] == 0
+    out = read_jsonl(tmp_path / "b.output.jsonl")
+    assert [r["custom_id"] for r in out] == ["short", "plain", "long"]  # each written when it finished
+    assert len({r["id"] for r in out}) == 3
+    for r in out:
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        assert body["object"] == "text_completion"
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        n = {"long": 40, "short": 1, "plain": 5}[r["custom_id"]]
+        assert len(choice["token_ids"]) == n == body["usage"]["completion_tokens"]
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + n
+    assert out[2]["response"]["body"]["model"] == "tiny"
+    assert read_jsonl(tmp_path / "b.errors.jsonl") == []
+    assert summary["generated_tokens"] == 46
+
+
+def test_malformed_lines_go_to_the_errors_file_and_the_rest_run(lingctl, tiny_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [
+        greedy("ok1", [5, 6], 2), "{not json", {"custom_id": "neg", "prompt": [1], "max_tokens": -1},
+        greedy("ok1", [5], 2), {"custom_id": "bigid", "prompt": [5, 5000], "max_tokens": 2},
+        {"custom_id": "ok2", "prompt": [7], "max_tokens": 2, "temperature": 0}])
+    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "o.jsonl"),
+                  "--errors", str(tmp_path / "e.jsonl"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(r["custom_id"] for r in read_jsonl(tmp_path / "o.jsonl")) == ["ok1", "ok2"]
+    errors = {(e["error"]["line"], e["custom_id"], e["error"]["code"]) for e in read_jsonl(tmp_path / "e.jsonl")}
+    assert (2, None, "invalid_json") in errors
+    assert (4, "ok1", "duplicate_custom_id") in errors
+    assert any(line == 3 and cid == "neg" for line, cid, _ in errors)
+    assert any(line == 5 and cid == "bigid" for line, cid, _ in errors)  # token id outside the vocabulary
+    assert "2 answered" in res.stdout
+
+
+def _long_batch(path: Path, n: int = 24) -> Path:
+    return write_batch(path, [greedy(f"r{i:02d}", [5 + i, 6, 7 + i], 150 + 10 * (i % 4)) for i in range(n)])
+
+
+def _token_ids(path: Path) -> dict[str, list[int]]:
+    return {r["custom_id"]: r["response"]["body"]["choices"][0]["token_ids"] for r in read_jsonl(path)}
+
+
+def test_resume_after_sigkill_loses_and_duplicates_nothing(lingctl, tiny_ckpt, tmp_path):
+    batch = _long_batch(tmp_path / "b.jsonl")
+    reference = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "ref.jsonl"),
+                        "--max-seqs", "3")
+    assert reference.returncode == 0, reference.stderr
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(tiny_ckpt),
+                             "-o", str(out), "--max-seqs", "3"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 4):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = out.read_bytes()
+    done_before = len(before.splitlines())
+    assert 4 <= done_before < 24
+    with open(out, "ab") as f:  # as if the kill had torn a line in half
+        f.write(b'{"id": "batch_req_x", "custom_id": "r2')
+    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(out), "--resume", "--json",
+                  "--max-seqs", "3")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["already_done"] == done_before
+    after = out.read_bytes()
+    assert after.startswith(before)  # nothing already written was touched
+    ids = [r["custom_id"] for r in read_jsonl(out)]
+    assert sorted(ids) == sorted(f"r{i:02d}" for i in range(24))  # each exactly once
+    assert _token_ids(out) == _token_ids(tmp_path / "ref.jsonl")
+
+
+def test_sigterm_stops_cleanly_and_resume_finishes(lingctl, tiny_ckpt, tmp_path):
+    batch = _long_batch(tmp_path / "b.jsonl", 12)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(tiny_ckpt),
+                             "-o", str(out), "--max-seqs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 2):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "--resume" in err and "Traceback" not in err
+    partial = len(read_jsonl(out))
+    assert 2 <= partial < 12
+    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(out), "--resume")
+    assert res.returncode == 0, res.stderr
+    assert sorted(r["custom_id"] for r in read_jsonl(out)) == sorted(f"r{i:02d}" for i in range(12))
+
+
+def test_resume_refuses_another_model(lingctl, tiny_ckpt, text_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5, 6], 2)])
+    assert lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt)).returncode == 0
+    again = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt))
+    assert again.returncode == 2 and "--resume" in again.stderr
+    other = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--resume")
+    assert other.returncode == 2 and "model_fingerprint" in other.stderr
+    assert "Traceback" not in other.stderr
+    # settings that do not change answers may change on resume
+    same = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "--resume", "--max-batch-tokens", "64")
+    assert same.returncode == 0, same.stderr
+
+
+def test_text_chat_and_stop_strings(lingctl, text_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [
+        {"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12, "temperature": 0},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 6, "temperature": 0}},
+    ])
+    res = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--json")
+    assert res.returncode == 0, res.stderr
+    out = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "b.output.jsonl")}
+    assert out["chat"]["object"] == "chat.completion"
+    assert out["chat"]["choices"][0]["message"]["role"] == "assistant"
+    assert isinstance(out["chat"]["choices"][0]["message"]["content"], str)
+    text = out["text"]["choices"][0]["text"]
+    assert len(text) > 0
+    # Stop at a string the unconstrained output contains: the text ends just before it.
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    batch2 = write_batch(tmp_path / "c.jsonl", [{"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12,
+                                                 "temperature": 0, "stop": [stop]}])
+    res2 = lingctl("flood", "run", str(batch2), "--model", str(text_ckpt))
+    assert res2.returncode == 0, res2.stderr
+    choice = read_jsonl(tmp_path / "c.output.jsonl")[0]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == text[:text.find(stop)]
+
+
+def test_chat_without_a_template_is_a_per_request_error(lingctl, text_ckpt, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in text_ckpt.iterdir():
+        if f.name != "tokenizer_config.json":
+            (bare / f.name).symlink_to(f)
+    batch = write_batch(tmp_path / "b.jsonl", [
+        {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+        {"custom_id": "text", "prompt": "the", "max_tokens": 2}])
+    res = lingctl("flood", "run", str(batch), "--model", str(bare))
+    assert res.returncode == 0, res.stderr
+    errors = read_jsonl(tmp_path / "b.errors.jsonl")
+    assert [e["custom_id"] for e in errors] == ["chat"] and "chat template" in errors[0]["error"]["message"]
+    assert [r["custom_id"] for r in read_jsonl(tmp_path / "b.output.jsonl")] == ["text"]
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "no_config", "bad_config", "bad_weights"])
+def test_bad_model_directory_is_one_line(lingctl, tiny_ckpt, tmp_path, case):
+    batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5], 2)])
+    model = tmp_path / "m"
+    if case == "file":
+        model.write_text("x")
+    elif case != "missing":
+        model.mkdir()
+        if case == "bad_config":
+            (model / "config.json").write_text("{not json")
+        elif case == "bad_weights":
+            (model / "config.json").write_bytes((tiny_ckpt / "config.json").read_bytes())
+            (model / "model.safetensors").write_bytes(b"\x00" * 5)
+    res = lingctl("flood", "run", str(batch), "--model", str(model))
+    assert res.returncode in (1, 2, 3)
+    if case in ("missing", "no_config"):
+        assert res.returncode == 3
+    assert "Traceback" not in res.stderr
+    assert res.stderr.startswith("lingctl: error: ") and len(res.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "b.output.jsonl").exists() or case == "bad_weights"
+
+
+def test_missing_batch_file_and_bad_options(lingctl, tiny_ckpt, tmp_path):
+    res = lingctl("flood", "run", str(tmp_path / "nope.jsonl"), "--model", str(tiny_ckpt))
+    assert res.returncode == 3 and "Traceback" not in res.stderr
+    batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5], 2)])
+    for args in (["--stages", "0"], ["--quantize", "int4"], ["--dtype", "float64"], ["--max-batch-tokens", "2"]):
+        res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), *args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+
+
+def _config_only(path: Path, name: str) -> Path:
+    path.mkdir()
+    cfg = preset(name)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    return path
+
+
+def test_dry_run_plans_ling_lite_from_its_config_alone(lingctl, tmp_path):
+    model = _config_only(tmp_path / "ling-lite", "ling-lite")
+    batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5] * 100, 200) for i in range(8)])
+    bf16 = lingctl("flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--dry-run")
+    assert bf16.returncode == 1 and "quantize int8" in bf16.stderr and "Traceback" not in bf16.stderr
+    int8 = lingctl("flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--quantize", "int8",
+                   "--dry-run", "--json")
+    assert int8.returncode == 0, int8.stderr
+    plan = json.loads(int8.stdout)["plan"]
+    assert 16.5e9 < plan["params"] < 17.1e9
+    assert plan["weights_bytes"] < 18e9
+    assert plan["kv_tokens"] >= 8 * 300 - 7 * 96  # the batch fits (the shared 96-token prefix counted once)
+    assert not (tmp_path / "b.output.jsonl").exists()  # a dry run writes nothing
+    huge = lingctl("flood", "run", str(batch), "--model", str(model), "--quantize", "int8", "--dry-run",
+                   "--kv-cache-tokens", "100000000")
+    assert huge.returncode == 1 and "--kv-cache-tokens" in huge.stderr
+
+
+def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5 + i] * (3 + 7 * i), 10) for i in range(6)])
+    one = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    two = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "two.jsonl"),
+                  "--stages", "2", env={**os.environ, "LINGCTL_DEBUG": "1"})
+    assert two.returncode == 0, two.stderr
+    assert _token_ids(tmp_path / "one.jsonl") == _token_ids(tmp_path / "two.jsonl")

@@ -1,0 +1,195 @@
+"""The engine against the reference implementation and against itself: batch invariance, prefix sharing,
+memory pressure, sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lingctl.flood.engine import Engine, EngineConfig, GenRequest
+from lingctl.flood.forward import MIN_ROWS
+from lingctl.flood.model_dir import ModelDir
+from lingctl.flood.sampling import SamplingParams
+from tests.flood.conftest import FIXTURES, tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def prompts(n: int, seed: int = 0, shared: int = 40, vocab: int = 1024) -> list[list[int]]:
+    """Varied lengths (1..60); every other prompt starts with the same ``shared`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(2, vocab, (shared,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        own = torch.randint(2, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        out.append((system if i % 2 else []) + own)
+    return out
+
+
+def run(model, ps, sampling=GREEDY, **config):
+    config.setdefault("kv_cache_tokens", 4096)
+    engine = Engine.local(model, EngineConfig(**config))
+    reqs = [GenRequest(key=i, prompt_ids=p, sampling=sampling, seed_key=f"r{i}") for i, p in enumerate(ps)]
+    results = list(engine.generate(reqs))
+    return {r.key: r for r in results}, engine.stats, [r.key for r in results]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model()
+    m.eval()
+    m.normalize_head_()
+    return m
+
+
+def full_recompute(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["moe-normhead", "moe-variant"])
+def test_greedy_matches_the_reference_implementation(name):
+    """Token for token against Ling's own BailingMoeForCausalLM (fixtures/flood/README.md says how the
+    reference ids were produced), all prompts in one batch."""
+    ref = json.loads((FIXTURES / "reference.json").read_text())["checkpoints"][name]
+    model = ModelDir.open(FIXTURES / name).load(dtype=torch.float32)
+    cases = ref["cases"]
+    sampling = SamplingParams(max_tokens=len(cases[0]["generated"]), temperature=0.0)
+    out, _, _ = run(model, [c["prompt"] for c in cases], sampling)
+    for i, case in enumerate(cases):
+        assert out[i].token_ids == case["generated"], f"prompt {i} (length {len(case['prompt'])})"
+        assert out[i].finish_reason == "length"
+
+
+def test_first_step_logits_are_close_to_the_reference():
+    ref = json.loads((FIXTURES / "reference.json").read_text())["checkpoints"]["moe-normhead"]
+    md = ModelDir.open(FIXTURES / "moe-normhead")
+    model = md.load(dtype=torch.float32)
+    with torch.no_grad():
+        for case in ref["cases"]:
+            logits = model(torch.tensor([case["prompt"]])).logits[0, -1]
+            assert torch.allclose(logits, torch.tensor(case["first_logits"]), atol=1e-4)
+
+
+def test_matches_recomputing_the_whole_sequence(model):
+    ps = prompts(8)
+    out, _, _ = run(model, ps)
+    for i, p in enumerate(ps):
+        assert out[i].token_ids == full_recompute(model, p, 12)
+
+
+def test_a_request_gets_the_same_tokens_alone_and_among_64_others(model):
+    ps = prompts(65, seed=3)
+    together, stats, _ = run(model, ps)
+    assert stats.scheduler.steps < 65 * 12  # they did share steps
+    for i in (0, 1, 17, 64):
+        alone, _, _ = run(model, [ps[i]])
+        assert alone[0].token_ids == together[i].token_ids
+
+
+def test_batch_invariance_is_bitwise_for_the_logits(model):
+    """Stronger than equal tokens: every logit a request samples from is the same bits in any batch."""
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    class Recording(Engine):
+        def _on_sample(self, sched, seq, logits_V, done):
+            seen.setdefault(seq.key.key, []).append(logits_V.clone())
+            super()._on_sample(sched, seq, logits_V, done)
+
+    ps = prompts(9, seed=5)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def logits_of(batch: list[int]) -> dict[int, list[torch.Tensor]]:
+        seen.clear()
+        engine = Engine.local(model, EngineConfig(kv_cache_tokens=2048))
+        engine.__class__ = Recording
+        list(engine.generate([GenRequest(key=i, prompt_ids=ps[i], sampling=sampling) for i in batch]))
+        return dict(seen)
+
+    together = logits_of(list(range(9)))
+    for i in (0, 3, 8):
+        alone = logits_of([i])[i]
+        assert len(alone) == 4
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[i]))
+
+
+def test_prefix_sharing_gives_the_same_tokens_with_fewer_prefill_tokens(model):
+    ps = prompts(16, seed=7, shared=48)
+    shared, s1, _ = run(model, ps, prefix_sharing=True)
+    plain, s2, _ = run(model, ps, prefix_sharing=False)
+    assert all(shared[i].token_ids == plain[i].token_ids for i in range(len(ps)))
+    assert s1.prefix_entries >= 1 and s1.prefix_hits == 8
+    assert s1.prefix_tokens_saved == 7 * 48
+    assert s1.scheduler.prefill_tokens == s2.scheduler.prefill_tokens - 7 * 48
+    assert all(shared[i].cached_tokens == 48 for i in range(1, 16, 2))
+
+
+def test_memory_pressure_extends_appends_waits_and_preempts_without_changing_tokens(model):
+    ps = prompts(12, seed=9)
+    roomy, _, _ = run(model, ps)
+    tight, stats, _ = run(model, ps, kv_cache_tokens=120, output_reserve=2, growth=2, max_batch_tokens=32)
+    assert all(roomy[i].token_ids == tight[i].token_ids for i in range(len(ps)))
+    s = stats.scheduler
+    assert s.extended > 0 and s.appended > 0 and s.waits > 0 and s.preemptions > 0
+    assert s.peak_used_slots <= 120
+
+
+def test_results_arrive_in_completion_order(model):
+    ps = prompts(4, seed=11)
+    sampling = [SamplingParams(max_tokens=n, temperature=0.0) for n in (20, 1, 10, 3)]
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024))
+    order = [r.key for r in engine.generate(GenRequest(key=i, prompt_ids=p, sampling=s)
+                                            for i, (p, s) in enumerate(zip(ps, sampling)))]
+    assert order == [1, 3, 2, 0]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_free(model):
+    ps = prompts(6, seed=13)
+    s = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=42)
+    a, _, _ = run(model, ps, s)
+    b, _, _ = run(model, ps[2:3], s)
+    assert a[2].token_ids == b[0].token_ids
+    other = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=43)
+    c, _, _ = run(model, ps, other)
+    assert any(a[i].token_ids != c[i].token_ids for i in range(6))
+
+
+def test_eos_stops_a_request(model):
+    ps = prompts(1, seed=15)
+    free, _, _ = run(model, ps)
+    eos = free[0].token_ids[3]
+    first = free[0].token_ids.index(eos)
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024), eos_ids=[eos])
+    res = next(iter(engine.generate([GenRequest(key=0, prompt_ids=ps[0], sampling=GREEDY)])))
+    assert res.finish_reason == "stop" and res.token_ids == free[0].token_ids[:first + 1]
+
+
+def test_context_limit_and_bad_prompts_are_reported_per_request(model):
+    limit = model.config.max_position_embeddings
+    reqs = [GenRequest(key="long", prompt_ids=[5] * limit, sampling=GREEDY),
+            GenRequest(key="vocab", prompt_ids=[5, 99999], sampling=GREEDY),
+            GenRequest(key="edge", prompt_ids=[5] * (limit - 3), sampling=SamplingParams(max_tokens=None,
+                                                                                          temperature=0.0)),
+            GenRequest(key="ok", prompt_ids=[5, 6], sampling=GREEDY)]
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=2048))
+    out = {r.key: r for r in engine.generate(reqs)}
+    assert out["long"].finish_reason == "error" and "context" in out["long"].error
+    assert out["vocab"].finish_reason == "error" and "vocabulary" in out["vocab"].error
+    assert out["edge"].finish_reason == "length" and len(out["edge"].token_ids) == 3
+    assert out["ok"].finish_reason == "length" and len(out["ok"].token_ids) == 12
+
+
+def test_matrix_products_of_four_or_more_rows_are_row_independent():
+    """The property forward.py's batch invariance rests on (MIN_ROWS); if a torch or BLAS upgrade breaks
+    it, this fails before the engine tests do."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(200, 64, generator=g)
+    full = x @ w.T
+    for m in range(MIN_ROWS, 200, 13):
+        assert torch.equal((x[:m] @ w.T), full[:m])

@@ -1,0 +1,279 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.flood.requests import (
+    CHAT,
+    COMPLETIONS,
+    DUPLICATE_CUSTOM_ID,
+    INVALID_JSON,
+    INVALID_REQUEST,
+    Request,
+    RequestError,
+    parse_line,
+    read_batch,
+)
+from lingctl.flood.sampling import SamplingParams
+
+
+def _parse(obj: Any, line: int = 1) -> Request | RequestError:
+    return parse_line(json.dumps(obj), line)
+
+
+def _ok(obj: Any) -> Request:
+    parsed = _parse(obj)
+    assert isinstance(parsed, Request), parsed
+    return parsed
+
+
+def _batch_form(url: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": "a", "method": "POST", "url": url, "body": body}
+
+
+def _write(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(data)
+    return path
+
+
+# --- the two forms ---------------------------------------------------------------------------------------
+
+def test_batch_form_completion() -> None:
+    req = _ok(_batch_form(COMPLETIONS, model="ling-mini", prompt="Once upon", max_tokens=5, temperature=0,
+                          top_p=0.9, top_k=40, seed=7, stop=["\n\n", "END"]))
+    assert req.custom_id == "a" and req.url == COMPLETIONS and not req.is_chat
+    assert req.prompt_text == "Once upon" and req.prompt_ids is None and req.messages is None
+    assert req.model == "ling-mini"
+    assert req.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_p=0.9, top_k=40, seed=7,
+                                          stop=["\n\n", "END"])
+    assert isinstance(req.sampling.temperature, float)
+
+
+def test_batch_form_chat() -> None:
+    req = _ok(_batch_form(CHAT, messages=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi"}], max_tokens=3))
+    assert req.is_chat and req.url == CHAT
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert req.prompt_text is None and req.prompt_ids is None
+    assert req.sampling.max_tokens == 3
+
+
+def test_plain_form_prompt_is_completion() -> None:
+    req = _ok({"custom_id": "a", "prompt": "hi", "max_tokens": 5, "temperature": 0.5})
+    assert req.url == COMPLETIONS and req.prompt_text == "hi"
+    assert req.sampling.max_tokens == 5 and req.sampling.temperature == 0.5
+
+
+def test_plain_form_messages_is_chat() -> None:
+    req = _ok({"custom_id": "a", "messages": [{"role": "user", "content": "hi"}]})
+    assert req.url == CHAT and req.is_chat
+
+
+def test_token_id_prompt() -> None:
+    req = _ok(_batch_form(COMPLETIONS, prompt=[1, 0, 50256]))
+    assert req.prompt_ids == [1, 0, 50256] and req.prompt_text is None
+
+
+def test_text_parts_are_joined() -> None:
+    content = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    req = _ok(_batch_form(CHAT, messages=[{"role": "user", "content": content, "name": "ann"}]))
+    assert req.messages == [{"role": "user", "content": "first\nsecond"}]
+
+
+def test_defaults_follow_openai() -> None:
+    completion = _ok({"custom_id": "a", "prompt": "hi"}).sampling
+    assert completion == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=[])
+    chat = _ok({"custom_id": "a", "messages": [{"role": "user", "content": "hi"}]}).sampling
+    assert chat.max_tokens is None and chat.temperature == 1.0 and chat.top_p == 1.0
+
+
+def test_null_fields_mean_the_default() -> None:
+    req = _ok(_batch_form(COMPLETIONS, prompt="hi", max_tokens=None, temperature=None, top_p=None, top_k=None,
+                          seed=None, stop=None, n=None, model=None))
+    assert req.sampling == SamplingParams()
+
+
+def test_max_completion_tokens_wins_for_chat() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert _ok(_batch_form(CHAT, messages=messages, max_completion_tokens=9)).sampling.max_tokens == 9
+    assert _ok(_batch_form(CHAT, messages=messages, max_completion_tokens=9, max_tokens=4)).sampling.max_tokens == 9
+
+
+@pytest.mark.parametrize(("top_k", "stored"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
+def test_top_k_off_is_zero(top_k: int, stored: int) -> None:
+    assert _ok(_batch_form(COMPLETIONS, prompt="x", top_k=top_k)).sampling.top_k == stored
+
+
+def test_single_stop_string_becomes_a_list() -> None:
+    assert _ok(_batch_form(COMPLETIONS, prompt="x", stop="###")).sampling.stop == ["###"]
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 1}, {"best_of": 1}, {"stream": False}, {"logprobs": None}, {"logprobs": False}, {"echo": False},
+    {"response_format": {"type": "text"}}, {"tools": []}, {"presence_penalty": 0}, {"suffix": None},
+    {"user": "ann", "a_future_field": {"x": 1}, "stream_options": None},
+])
+def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any]) -> None:
+    _ok(_batch_form(COMPLETIONS, prompt="x", **fields))
+
+
+# --- rejections -------------------------------------------------------------------------------------------
+
+_MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("request_obj", "expected"), [
+    ({"custom_id": "a", "method": "GET", "url": COMPLETIONS, "body": {"prompt": "x"}},
+     'method must be POST, got "GET"'),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}, 'url must be'),
+    ({"custom_id": "a", "body": {"prompt": "x"}}, "url must be /v1/completions or /v1/chat/completions, got null"),
+    ({"custom_id": "a", "url": COMPLETIONS}, "body must be a JSON object, got null"),
+    ({"custom_id": "a", "url": COMPLETIONS, "body": ["x"]}, "body must be a JSON object"),
+    (_batch_form(COMPLETIONS, messages=_MSG), "request needs prompt"),
+    (_batch_form(CHAT, prompt="x"), "request needs messages"),
+    ({"custom_id": "a", "prompt": "x", "messages": _MSG}, "not both"),
+    ({"custom_id": "a", "max_tokens": 3}, "no prompt"),
+    (_batch_form(COMPLETIONS, prompt="x", n=2), "n=2: only n=1"),
+    (_batch_form(COMPLETIONS, prompt="x", best_of=3), "best_of=3"),
+    (_batch_form(COMPLETIONS, prompt="x", stream=True), "stream=true"),
+    (_batch_form(COMPLETIONS, prompt="x", logprobs=2), "logprobs=2"),
+    (_batch_form(COMPLETIONS, prompt="x", logprobs=0), "logprobs=0"),
+    (_batch_form(CHAT, messages=_MSG, logprobs=True), "logprobs=true"),
+    (_batch_form(CHAT, messages=_MSG, top_logprobs=3), "top_logprobs=3"),
+    (_batch_form(COMPLETIONS, prompt="x", echo=True), "echo=true"),
+    (_batch_form(COMPLETIONS, prompt="x", suffix="end"), 'suffix="end"'),
+    (_batch_form(CHAT, messages=_MSG, tools=[{"type": "function"}]), "tools="),
+    (_batch_form(CHAT, messages=_MSG, functions=[{"name": "f"}]), "functions="),
+    (_batch_form(CHAT, messages=_MSG, response_format={"type": "json_object"}), "response_format="),
+    (_batch_form(COMPLETIONS, prompt="x", logit_bias={"1": 5}), "logit_bias="),
+    (_batch_form(COMPLETIONS, prompt="x", presence_penalty=0.5), "presence_penalty=0.5"),
+    (_batch_form(COMPLETIONS, prompt="x", frequency_penalty=1), "frequency_penalty=1"),
+    (_batch_form(COMPLETIONS, prompt="x", model=3), "model must be a string, got 3"),
+    (_batch_form(COMPLETIONS, prompt="x", max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+    (_batch_form(COMPLETIONS, prompt="x", max_tokens=2.5), "max_tokens must be an integer >= 1, got 2.5"),
+    (_batch_form(COMPLETIONS, prompt="x", max_tokens=True), "max_tokens must be an integer >= 1, got true"),
+    (_batch_form(CHAT, messages=_MSG, max_completion_tokens=-1), "max_completion_tokens must be an integer"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature=2.5), "temperature must be a number from 0 to 2, got 2.5"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature=-0.1), "temperature must be"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature="hot"), 'temperature must be a number from 0 to 2, got "hot"'),
+    (_batch_form(COMPLETIONS, prompt="x", top_p=0), "top_p must be a number above 0 and at most 1, got 0"),
+    (_batch_form(COMPLETIONS, prompt="x", top_p=1.5), "top_p must be"),
+    (_batch_form(COMPLETIONS, prompt="x", top_k=-2), "top_k must be an integer >= 1, or -1 or 0 for off, got -2"),
+    (_batch_form(COMPLETIONS, prompt="x", top_k=2.5), "top_k must be"),
+    (_batch_form(COMPLETIONS, prompt="x", seed="7"), 'seed must be a 64-bit integer, got "7"'),
+    (_batch_form(COMPLETIONS, prompt="x", seed=1 << 64), "seed must be a 64-bit integer"),
+    (_batch_form(COMPLETIONS, prompt="x", stop=["a", "b", "c", "d", "e"]), "up to 4"),
+    (_batch_form(COMPLETIONS, prompt="x", stop=""), 'stop must be a non-empty string'),
+    (_batch_form(COMPLETIONS, prompt="x", stop=["a", ""]), 'got ["a", ""]'),
+    (_batch_form(COMPLETIONS, prompt="x", stop=3), "stop must be"),
+    (_batch_form(COMPLETIONS, prompt=["a", "b"]), "prompt must be one string or one array of token ids"),
+    (_batch_form(COMPLETIONS, prompt=[[1, 2], [3]]), "prompt must be one string or one array of token ids"),
+    (_batch_form(COMPLETIONS, prompt=3), "prompt must be one string or one array of token ids, got 3"),
+    (_batch_form(COMPLETIONS, prompt=[5, -1]), "prompt[1] must be a token id (an integer >= 0), got -1"),
+    (_batch_form(COMPLETIONS, prompt=[5, 1.5]), "prompt[1] must be a token id"),
+    (_batch_form(COMPLETIONS, prompt=""), "prompt must not be empty"),
+    (_batch_form(COMPLETIONS, prompt=[]), "prompt must not be empty"),
+    (_batch_form(CHAT, messages=[]), "messages must be a non-empty array, got []"),
+    (_batch_form(CHAT, messages="hi"), 'messages must be a non-empty array, got "hi"'),
+    (_batch_form(CHAT, messages=["hi"]), 'messages[0] must be an object, got "hi"'),
+    (_batch_form(CHAT, messages=[{"content": "hi"}]), "messages[0].role must be a non-empty string, got null"),
+    (_batch_form(CHAT, messages=[*_MSG, {"role": "user"}]), "messages[1].content must be a string or an array"),
+    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]),
+     "messages[0].content[0] must be a text part"),
+    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+     "messages[0].content[0].text must be a string, got 5"),
+])
+def test_rejections_name_the_field_and_value(request_obj: dict[str, Any], expected: str) -> None:
+    err = _parse(request_obj, line=7)
+    assert isinstance(err, RequestError), err
+    assert (err.line, err.custom_id, err.code) == (7, "a", INVALID_REQUEST)
+    assert expected in err.message
+    assert "\n" not in err.message
+
+
+def test_long_values_are_cut_short() -> None:
+    err = _parse(_batch_form(COMPLETIONS, prompt=["word " * 200]))
+    assert isinstance(err, RequestError)
+    assert "…" in err.message and len(err.message) < 150
+
+
+@pytest.mark.parametrize(("line", "code", "expected"), [
+    ('{"custom_id": "a", "prompt": ', INVALID_JSON, "not valid JSON"),
+    ('{"custom_id": "a", "prompt": "x", "temperature": NaN}', INVALID_JSON, "NaN is not a JSON number"),
+    ("[" * 100_000, INVALID_JSON, "nested too deeply"),
+    ('["a", "b"]', INVALID_REQUEST, 'a request must be a JSON object, got ["a", "b"]'),
+    ('"just a string"', INVALID_REQUEST, "a request must be a JSON object"),
+    ('{"prompt": "x"}', INVALID_REQUEST, "custom_id is missing"),
+    ('{"custom_id": 5, "prompt": "x"}', INVALID_REQUEST, "custom_id must be a non-empty string, got 5"),
+    ('{"custom_id": "", "prompt": "x"}', INVALID_REQUEST, 'custom_id must be a non-empty string, got ""'),
+])
+def test_lines_without_a_usable_custom_id(line: str, code: str, expected: str) -> None:
+    err = parse_line(line, 3)
+    assert isinstance(err, RequestError)
+    assert (err.line, err.custom_id, err.code) == (3, None, code)
+    assert expected in err.message
+
+
+# --- the whole file ---------------------------------------------------------------------------------------
+
+def test_read_batch_line_numbers_blank_lines_and_bad_lines(tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"custom_id": "r1", "prompt": "one"}).encode(),                      # 1
+        b"",                                                                           # 2 blank
+        b"   \t",                                                                      # 3 whitespace only
+        b'{"custom_id": "r2", "prompt": ',                                             # 4 invalid JSON
+        b'{"custom_id": "r3", "prompt": "caf\xe9"}',                                   # 5 Latin-1, not UTF-8
+        json.dumps({"custom_id": "r1", "prompt": "again"}).encode(),                   # 6 duplicate
+        json.dumps(_batch_form(CHAT, messages=_MSG) | {"custom_id": "r4"}).encode(),   # 7
+        json.dumps({"custom_id": "r5", "prompt": "x", "n": 3}).encode(),               # 8 rejected
+        json.dumps({"custom_id": "r1", "prompt": "third"}).encode(),                   # 9 duplicate
+        "{\"custom_id\": \"r6\", \"prompt\": \"\u2028 and ü\"}".encode(),              # 10, no final newline
+    ]
+    batch = read_batch(_write(tmp_path, b"\n".join(lines)))
+    assert batch.lines == 8
+    assert [(r.line, r.custom_id) for r in batch.requests] == [(1, "r1"), (7, "r4"), (10, "r6")]
+    assert batch.requests[0].prompt_text == "one"  # the first r1 runs
+    assert batch.requests[2].prompt_text == "\u2028 and ü"
+    assert [(e.line, e.custom_id, e.code) for e in batch.errors] == [
+        (4, None, INVALID_JSON),
+        (5, None, INVALID_JSON),
+        (6, "r1", DUPLICATE_CUSTOM_ID),
+        (8, "r5", INVALID_REQUEST),
+        (9, "r1", DUPLICATE_CUSTOM_ID),
+    ]
+    assert "not UTF-8 (byte 0xe9" in batch.errors[1].message
+    assert '"r1"' in batch.errors[2].message
+
+
+def test_a_rejected_line_still_claims_its_custom_id(tmp_path: Path) -> None:
+    # Otherwise the output would hold an error and an answer for the same custom_id.
+    lines = [{"custom_id": "a", "prompt": "x", "n": 2}, {"custom_id": "a", "prompt": "x"}]
+    batch = read_batch(_write(tmp_path, "\n".join(json.dumps(x) for x in lines).encode() + b"\n"))
+    assert batch.requests == []
+    assert [(e.line, e.code) for e in batch.errors] == [(1, INVALID_REQUEST), (2, DUPLICATE_CUSTOM_ID)]
+
+
+def test_crlf_and_byte_order_mark(tmp_path: Path) -> None:
+    data = b"\xef\xbb\xbf" + b'{"custom_id": "a", "prompt": "x"}\r\n{"custom_id": "b", "prompt": "y"}\r\n\r\n'
+    batch = read_batch(_write(tmp_path, data))
+    assert [r.custom_id for r in batch.requests] == ["a", "b"] and batch.errors == [] and batch.lines == 2
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    batch = read_batch(_write(tmp_path, b""))
+    assert (batch.requests, batch.errors, batch.lines) == ([], [], 0)
+
+
+def test_missing_file_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="no such file"):
+        read_batch(tmp_path / "nope.jsonl")
+
+
+def test_directory_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(LingctlError):
+        read_batch(tmp_path)
