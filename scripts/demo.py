@@ -7,6 +7,8 @@
    ending with a Ling checkpoint in runs/demo-small.
 3. `lingctl babel`: that checkpoint synced to the local S3 server (full CRC verification, config.json
    committed last), listed, and verified again by sampling.
+4. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
+   8-64 tokens) answered by that checkpoint, a few answers shown.
 """
 
 from __future__ import annotations
@@ -56,7 +58,33 @@ def main() -> None:
             lingctl("babel", "ls", target, "--recursive", env=env)
             lingctl("babel", "verify", str(checkpoint), target, "--mode", "sampled", env=env)
     print("\nthe S3 server is stopped and its files removed.")
+    flood(checkpoint, run)
     print("\ndemo finished.")
+
+
+def flood(checkpoint: Path, run: Path) -> None:
+    """Batch inference with the checkpoint just trained: code-completion prompts that share a prefix."""
+    prefix = '"""Helpers for parsing and formatting text, written in the style of the standard library."""\n\n'
+    starts = ["import os", "def main(", "class Parser", "    def __init__(self", "for line in", "if __name__",
+              "return ", "raise ValueError(", "with open(", "    except ", "from collections import", "while "]
+    batch = run / "flood-batch.jsonl"
+    with open(batch, "w") as f:
+        for i in range(48):
+            body = {"model": "demo-small", "prompt": prefix + starts[i % len(starts)], "max_tokens": 8 + (i * 7) % 57,
+                    "temperature": 0 if i % 2 == 0 else 0.7, "seed": i}
+            f.write(json.dumps({"custom_id": f"req-{i:02d}", "method": "POST", "url": "/v1/completions",
+                                "body": body}) + "\n")
+    out = run / "flood-output.jsonl"
+    for stale in (out, run / "flood-errors.jsonl", run / "flood-output.jsonl.manifest.json"):
+        stale.unlink(missing_ok=True)
+    lingctl("flood", "run", str(batch), "--model", str(checkpoint), "-o", str(out), "--errors",
+            str(run / "flood-errors.jsonl"))
+    answers = {}
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        answers[r["custom_id"]] = r["response"]["body"]["choices"][0]["text"]
+    for cid in ("req-00", "req-01", "req-02"):
+        print(f"{cid}: {starts[int(cid[-2:]) % len(starts)]!r} -> {answers[cid]!r}")
 
 
 if __name__ == "__main__":

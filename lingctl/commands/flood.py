@@ -86,7 +86,7 @@ def _summary(s: FloodSummary, console: Any) -> None:
     p = s.plan
     if p is not None:
         quant = ", int8 linears" if p.quantize else ""
-        console.print(f"model: {p.params / 1e9:.3g}B parameters ({p.active_params / 1e9:.3g}B active), weights "
+        console.print(f"model: {_count(p.params)} parameters ({_count(p.active_params)} active), weights "
                       f"{format_size(p.weights_bytes)} ({p.dtype}{quant}); KV cache {p.kv_tokens:,} tokens "
                       f"= {format_size(p.kv_bytes)} ({format_size(p.kv_bytes_per_token)}/token); activations "
                       f"{format_size(p.activation_bytes)}; {format_size(p.available_bytes)} available",
@@ -102,6 +102,10 @@ def _summary(s: FloodSummary, console: Any) -> None:
                   f"prefix sharing saved {s.prefix_tokens_saved:,} prefill tokens; peak KV "
                   f"{s.kv_peak_tokens:,}/{s.kv_cache_tokens:,} tokens; {s.preemptions} preemptions", markup=False)
     console.print(f"output: {s.out}\nerrors: {s.errors}", markup=False)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 class _View:

@@ -147,14 +147,24 @@ def unpack_batch(payload: torch.Tensor) -> StepBatch:
 # -- rank 0 ---------------------------------------------------------------------------------------------
 
 
-def _last_line(path: Path) -> str:
+def _with_last_line(what: str, stderr: Path) -> str:
+    """``what``, then the last non-empty line the stage wrote to stderr (its one-line error), if any."""
     try:
-        with open(path, "rb") as f:
+        with open(stderr, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return "(no stderr)"
-    return lines[-1] if lines else "(no stderr)"
+        lines = []
+    return f"{what}: {lines[-1]}" if lines else what
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -197,7 +207,6 @@ class PipelineRunner:
             raise LingctlError("cannot start pipeline stages: this process already has a torch.distributed "
                                "process group")
         self.depth = stages
-        self.vocab_size = mdir.config.vocab_size
         self.device = device
         self.timeout_s = timeout_s
         self._closed = False
@@ -257,8 +266,8 @@ class PipelineRunner:
                         raise self._stage_error(rank, f"failed to start: {status}")
                     loaded.add(rank)
                 elif p.poll() is not None:
-                    raise self._stage_error(rank, f"exited with code {p.returncode} while loading: "
-                                                  f"{_last_line(self._logs[i])}")
+                    raise self._stage_error(rank, _with_last_line(f"{_exit_status(p.returncode)} while loading",
+                                                                  self._logs[i]))
             if time.monotonic() > deadline:
                 waiting = sorted(set(range(1, self.depth + 1)) - loaded)
                 raise LingctlError(f"pipeline stage(s) {waiting} did not load within {self.timeout_s:.0f} s",
@@ -287,7 +296,7 @@ class PipelineRunner:
     def _dead_stage(self) -> LingctlError | None:
         for i, p in enumerate(self._procs):
             if p.poll() is not None:
-                return self._stage_error(i + 1, f"exited with code {p.returncode}: {_last_line(self._logs[i])}")
+                return self._stage_error(i + 1, _with_last_line(_exit_status(p.returncode), self._logs[i]))
         return None
 
     def _fail(self, error: LingctlError) -> LingctlError:
@@ -341,8 +350,6 @@ class PipelineRunner:
             raise self._fail(LingctlError(f"pipeline returned message kind {item.kind} for step {item.tag} "
                                           f"while step {tag} was the oldest in flight"))
         self._sends.popleft().wait()  # stage 1 has long received it
-        if item.tensor is None or item.tensor.shape[1] == 0:
-            return torch.zeros(0, self.vocab_size, dtype=torch.float32)
         return item.tensor
 
     def close(self) -> None:
@@ -354,13 +361,15 @@ class PipelineRunner:
         if self._failed is None and self._group and self._dead_stage() is None:
             try:
                 self._sends.append(send_message(1, SHUTDOWN, -1, device=self.device))
-                self._wanted.release()
-                if self._receiver is not None:
-                    self._receiver.join(timeout=self.timeout_s)
-                for p in self._sends:
-                    p.wait()
             except RuntimeError as exc:
                 log.warning("pipeline shutdown: %s", exc)
+            else:
+                # Steps still in flight are computed first; the shutdown's echo is the last message back.
+                self._wanted.release()
+                deadline = time.monotonic() + self.timeout_s
+                while (self._receiver is not None and self._receiver.is_alive() and self._dead_stage() is None
+                       and time.monotonic() < deadline):
+                    self._receiver.join(timeout=POLL_S)
         self._abort(grace_s=STOP_GRACE_S)
 
     def _abort(self, grace_s: float = 0.0) -> None:
@@ -407,14 +416,15 @@ def serve(stage: StageModel, rank: int, world: int, dtype: torch.dtype, device: 
     pending: Pending | None = None
     while True:
         msg = recv_message(rank - 1, dtype, device)
-        # The previous send finishes while this stage computes; waiting here keeps one message in the air.
-        if pending is not None:
-            pending.wait()
         if msg.kind == SHUTDOWN:
+            if pending is not None:
+                pending.wait()
             send_message(nxt, SHUTDOWN, msg.tag, device=device).wait()
             return
-        batch = unpack_batch(msg.payload)
-        out = stage.run(batch, msg.tensor if rank > 1 else None)
+        out = stage.run(unpack_batch(msg.payload), msg.tensor if rank > 1 else None)
+        # The previous micro-batch's send went on while this one was computed; one message in the air at most.
+        if pending is not None:
+            pending.wait()
         if stage.is_last:
             pending = send_message(0, STEP, msg.tag, tensor=out, device=device)
         else:
@@ -465,7 +475,7 @@ def stage_main(argv: list[str] | None = None) -> int:
         serve(stage, rank, world, dtype, args.device)
     except Exception as exc:
         traceback.print_exc()
-        print(f"stage {rank}: {_one_line(exc)}", file=sys.stderr, flush=True)
+        print(_one_line(exc), file=sys.stderr, flush=True)
         return 1
     dist.destroy_process_group()
     return 0
