@@ -130,7 +130,7 @@ def recv_message(src: int, dtype: torch.dtype, device: str = "cpu") -> Message:
     if rows * cols:
         tensor = torch.empty(rows, cols, dtype=dtype, device=device)
         dist.recv(tensor, src)
-    elif kind == STEP:
+    elif kind == STEP:  # e.g. logits [0, V] of a step that samples nothing
         tensor = torch.empty(rows, cols, dtype=dtype, device=device)
     return Message(kind, tag, payload, tensor)
 
@@ -294,10 +294,14 @@ class PipelineRunner:
                 return
 
     def _dead_stage(self) -> LingctlError | None:
-        for i, p in enumerate(self._procs):
-            if p.poll() is not None:
-                return self._stage_error(i + 1, _with_last_line(_exit_status(p.returncode), self._logs[i]))
-        return None
+        """Every stage that has exited, in one line. A stage killed by a signal comes first: its neighbours
+        then exit with link errors, which are the consequence, not the cause."""
+        dead = [(p.returncode >= 0, i) for i, p in enumerate(self._procs) if p.poll() is not None]
+        if not dead:
+            return None
+        return LingctlError("; ".join(
+            self._stage_error(i + 1, _with_last_line(_exit_status(self._procs[i].returncode), self._logs[i])).message
+            for _, i in sorted(dead)))
 
     def _fail(self, error: LingctlError) -> LingctlError:
         self._failed = error.message
