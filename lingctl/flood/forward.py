@@ -19,6 +19,7 @@ Shape legend: T tokens in the step, D hidden, H query heads, K kv heads, Dh head
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,8 @@ from torch import nn
 
 from lingctl.flood.segment_cache import KVPool
 from lingctl.model.ling import LingForCausalLM
-from lingctl.model.moe import SparseMoeBlock, dispatch_sorted
+from lingctl.flood.experts import StackedExperts, routed_experts
+from lingctl.model.moe import SparseMoeBlock
 
 MIN_ROWS = 4
 # SDPA reads grouped KV heads in place from torch 2.5; older versions get the heads repeated.
@@ -70,40 +72,57 @@ class StepBatch:
             self.slots += [scratch_slot] * missing
 
 
-def _causal_mask(q_len: int, keys: int) -> torch.Tensor | None:
+@functools.lru_cache(maxsize=4096)
+def _causal_mask(q_len: int, keys: int) -> torch.Tensor:
     """Query i (of the unit's last q_len positions) sees keys [0, keys - q_len + i]; bottom-right aligned,
     which SDPA's ``is_causal`` is not when q_len != keys."""
-    if q_len == 1:
-        return None
     return torch.ones(q_len, keys, dtype=torch.bool).tril(keys - q_len)
 
 
 def attention_step(attn: nn.Module, pool: KVPool, layer: int, x_TD: torch.Tensor, positions_T: torch.Tensor,
-                   slots_T: torch.Tensor, units: list[AttentionUnit]) -> torch.Tensor:
+                   slots_T: torch.Tensor, units: list[AttentionUnit], real: int) -> torch.Tensor:
+    """Project, store this step's k/v, then attend unit by unit. Units cover rows ``[0, real)`` in order, so
+    their outputs concatenate into the step's rows; padding rows get zeros.
+
+    Batching the decode units into one call over keys gathered and padded to a common length was measured
+    (64 requests, 4 layers): the gather cost what the saved calls gained, and each unit's result would
+    then depend on the padding rule as well, so units stay one call each."""
     q, k, v = attn.project(x_TD.unsqueeze(0), positions_T.unsqueeze(0))  # q [1,H,T,Dh], k/v [1,K,T,Dh]
     pool.write(layer, slots_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
-    q_THD = q[0].transpose(0, 1)
-    out_THD = torch.zeros_like(q_THD)
+    k_pool, v_pool = pool.k[layer], pool.v[layer]  # [capacity, K, Dh]
     groups = attn.num_heads // attn.num_kv_heads
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
+    outs: list[torch.Tensor] = []
     for unit in units:
-        keys_LKD, values_LKD = pool.gather(layer, unit.ranges)
+        ranges = unit.ranges
+        if len(ranges) == 1:
+            start, end = ranges[0]
+            keys_LKD, values_LKD = k_pool[start:end], v_pool[start:end]
+        else:
+            keys_LKD = torch.cat([k_pool[a:b] for a, b in ranges])
+            values_LKD = torch.cat([v_pool[a:b] for a, b in ranges])
         if groups > 1 and not _SDPA_GQA:
             keys_LKD = keys_LKD.repeat_interleave(groups, dim=1)
             values_LKD = values_LKD.repeat_interleave(groups, dim=1)
-        q_1HQD = q_THD[unit.q_start:unit.q_start + unit.q_len].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            q_1HQD, keys_LKD.transpose(0, 1).unsqueeze(0), values_LKD.transpose(0, 1).unsqueeze(0),
-            attn_mask=_causal_mask(unit.q_len, keys_LKD.shape[0]), **gqa)
-        out_THD[unit.q_start:unit.q_start + unit.q_len] = o[0].transpose(0, 1)
+        mask = _causal_mask(unit.q_len, keys_LKD.shape[0]) if unit.q_len > 1 else None
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, unit.q_start:unit.q_start + unit.q_len], keys_LKD.transpose(0, 1).unsqueeze(0),
+            values_LKD.transpose(0, 1).unsqueeze(0), attn_mask=mask, **gqa))
     t = x_TD.shape[0]
-    return attn.dense(out_THD.reshape(t, attn.num_heads * attn.head_dim))
+    if real < t:
+        outs.append(q.new_zeros(1, attn.num_heads, t - real, attn.head_dim))
+    out_1HTD = torch.cat(outs, dim=2)
+    return attn.dense(out_1HTD[0].transpose(0, 1).reshape(t, attn.num_heads * attn.head_dim))
 
 
-def mlp_step(mlp: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
+def mlp_step(mlp: nn.Module, x_TD: torch.Tensor, real: int, stacked: StackedExperts | None) -> torch.Tensor:
+    """The layer's MLP. Of a MoE layer, only the ``real`` rows are routed: padding rows would otherwise pick
+    experts of their own (a one-token step would run up to 4x the experts)."""
     if isinstance(mlp, SparseMoeBlock):
         route = mlp.gate(x_TD)
-        y = dispatch_sorted(x_TD, route.topk_idx_TK, route.topk_weight_TK, mlp.experts, min_rows=MIN_ROWS)
+        y = x_TD.new_zeros(x_TD.shape)
+        y[:real] = routed_experts(mlp, stacked, x_TD[:real], route.topk_idx_TK[:real], route.topk_weight_TK[:real],
+                                  MIN_ROWS)
         if mlp.shared_experts is not None:
             y = y + mlp.shared_experts(x_TD)
         return y
@@ -120,6 +139,11 @@ class StageModel:
         self.first, self.last = first, last
         self.is_first = first == 0
         self.is_last = last == model.config.num_hidden_layers
+        self.stacked: dict[int, StackedExperts] = {}
+        for i in range(first, last):
+            mlp = model.model.layers[i].mlp
+            if isinstance(mlp, SparseMoeBlock) and StackedExperts.usable(mlp):
+                self.stacked[i] = StackedExperts(mlp, MIN_ROWS)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, hidden_TD: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,11 +157,12 @@ class StageModel:
             assert hidden_TD is not None
             x = hidden_TD
         layers = self.model.model.layers
+        real = batch.real_tokens or len(batch.token_ids)
         for i in range(self.first, self.last):
             layer = layers[i]
             x = x + attention_step(layer.attention, self.pool, i - self.first, layer.input_layernorm(x),
-                                   positions, slots, batch.units)
-            x = x + mlp_step(layer.mlp, layer.post_attention_layernorm(x))
+                                   positions, slots, batch.units, real)
+            x = x + mlp_step(layer.mlp, layer.post_attention_layernorm(x), real, self.stacked.get(i))
         if not self.is_last:
             return x
         rows = list(batch.sample_rows)
