@@ -187,15 +187,6 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
             output.close()
 
 
-# Below this width each product is too small to split: OpenMP's barriers cost more than a second thread
-# gains (the small preset ran 13x slower on 2 threads than on 1 on a busy 2-core machine).
-SINGLE_THREAD_BELOW_HIDDEN = 1024
-
-
-def default_threads(md: ModelDir) -> int:
-    return 1 if md.config.hidden_size < SINGLE_THREAD_BELOW_HIDDEN else torch.get_num_threads()
-
-
 def _max_new(md: ModelDir, job: _Job) -> int:
     room = md.config.max_position_embeddings - len(job.ids)
     want = job.req.sampling.max_tokens
@@ -217,8 +208,8 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
               should_stop: Callable[[], bool] | None) -> None:
     if not jobs:
         return
-    threads = opts.threads or default_threads(md)
-    torch.set_num_threads(threads)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     config = EngineConfig(kv_cache_tokens=plan.kv_tokens, max_batch_tokens=opts.max_batch_tokens,
                           max_seqs=opts.max_seqs, chunk=opts.chunk, prefix_sharing=opts.prefix_sharing,
                           stages=opts.stages)
@@ -226,8 +217,7 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
         from lingctl.flood.pipeline import PipelineRunner
 
         runner: Any = PipelineRunner(md.path, stages=opts.stages, dtype=dtype, quantize=opts.quantize,
-                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=opts.threads or (
-                                         1 if threads == 1 else None))
+                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=opts.threads)
     else:
         model = md.load(dtype=dtype, quantize=opts.quantize)
         c = md.config
