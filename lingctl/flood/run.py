@@ -231,10 +231,10 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
     model_name = md.path.name
     started = time.monotonic()
     try:
-        for res in engine.generate(requests, on_step=lambda s: _progress(s, summary, on_progress)):
+        for res in engine.generate(requests, on_step=lambda s: _progress(s, summary, on_progress, should_stop)):
             job = by_key[res.key]
             if res.error is not None:
-                output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="request_too_large",
+                output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="invalid_request",
                                    message=res.error)
                 summary.failed += 1
             else:
@@ -245,7 +245,7 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
             if should_stop is not None and should_stop():
                 summary.interrupted = True
                 break
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _StopRequested):
         summary.interrupted = True
     finally:
         engine.close()
@@ -256,10 +256,18 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
                           f"so far is kept", hint="continue with the same command plus --resume")
 
 
+class _StopRequested(Exception):
+    """Raised from the step callback to leave the engine loop after a whole step."""
+
+
 def _progress(stats: EngineStats, summary: FloodSummary,
-              on_progress: Callable[[EngineStats, FloodSummary], None] | None) -> None:
+              on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+              should_stop: Callable[[], bool] | None) -> None:
     if on_progress is not None:
         on_progress(stats, summary)
+    # Checked after every step, not only when a request finishes: a long prefill must stop promptly too.
+    if should_stop is not None and should_stop():
+        raise _StopRequested
 
 
 def _fill(summary: FloodSummary, stats: EngineStats, seconds: float) -> None:
