@@ -193,3 +193,17 @@ def test_matrix_products_of_four_or_more_rows_are_row_independent():
     full = x @ w.T
     for m in range(MIN_ROWS, 200, 13):
         assert torch.equal((x[:m] @ w.T), full[:m])
+
+
+@pytest.mark.parametrize("variant", ["int8", "bfloat16"])
+def test_int8_and_bf16_models_are_batch_invariant_too(tiny_ckpt, variant):
+    md = ModelDir.open(tiny_ckpt)
+    if variant == "int8":
+        model = md.load(dtype=torch.float32, quantize="int8")
+    else:
+        model = md.load(dtype=torch.bfloat16)
+    ps = prompts(9, seed=17)
+    together, _, _ = run(model, ps, SamplingParams(max_tokens=6, temperature=0.0))
+    for i in (0, 5):
+        alone, _, _ = run(model, [ps[i]], SamplingParams(max_tokens=6, temperature=0.0))
+        assert alone[0].token_ids == together[i].token_ids
