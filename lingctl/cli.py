@@ -13,6 +13,7 @@ from lingctl import __version__
 from lingctl.commands import planned
 from lingctl.commands.babel import app as babel_app
 from lingctl.commands.flood import app as flood_app
+from lingctl.commands.timer import app as timer_app
 from lingctl.commands.doctor import doctor
 from lingctl.commands.train import train
 from lingctl.commands.version import version
@@ -48,6 +49,7 @@ def root(
 app.command("train")(train)
 app.add_typer(babel_app, name="babel")
 app.add_typer(flood_app, name="flood")
+app.add_typer(timer_app, name="timer")
 app.command("doctor")(doctor)
 app.command("version")(version)
 planned.register(app)

@@ -42,7 +42,7 @@ def test_unknown_option_is_a_usage_error(lingctl) -> None:
     assert "hint: try 'lingctl doctor --help'" in r.stderr
 
 
-@pytest.mark.parametrize("tool", ["timer", "pcache"])
+@pytest.mark.parametrize("tool", ["pcache"])
 def test_tools_not_in_this_release_say_so(lingctl, tool: str) -> None:
     r = lingctl(tool, "some", "--args")
     assert r.returncode == 1

@@ -14,7 +14,6 @@ import typer
 from lingctl.core.errors import LingctlError
 
 PLANNED: dict[str, str] = {
-    "timer": "Trace a running training process: step breakdown, hang and straggler diagnosis.",
     "pcache": "Plan and run checkpoint writes spread across nodes, tiered to remote storage.",
 }
 

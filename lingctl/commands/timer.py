@@ -1,0 +1,134 @@
+"""`lingctl timer run | attach | diagnose | export`: thin wrappers over lingctl.timer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lingctl.commands.options import JsonOpt
+from lingctl.core.errors import NotFoundError, UsageError
+from lingctl.core.output import Output
+
+app = typer.Typer(help="Trace training processes cheaply: step breakdown, live attach, hang and straggler "
+                       "diagnosis, timeline export.", no_args_is_help=True)
+
+
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Trace directory (default: timer-TIMESTAMP).")] = None,
+    trace: Annotated[str | None, typer.Option(
+        "--trace", metavar="SPEC", help="What to trace: comma list of collectives, p2p, optimizer, data, forward, "
+                                        "backward, copy; '-name' removes one (default: all).")] = None,
+) -> None:
+    """Run CMD (after --) with every Python process it starts traced; exits with CMD's exit code."""
+    from lingctl.timer.launch import run_traced
+    from lingctl.timer.tracer import parse_targets
+
+    if not ctx.args:
+        raise UsageError("no command to run", hint="lingctl timer run --out DIR -- python train.py ...")
+    try:
+        parse_targets(trace)
+    except ValueError as err:
+        raise UsageError(f"--trace {trace!r}: {err}") from None
+    out = out if out is not None else Path(f"timer-{time.strftime('%Y%m%d-%H%M%S')}")
+    raise typer.Exit(run_traced(list(ctx.args), out=out, targets=trace))
+
+
+@app.command("attach")
+def attach(
+    pid: Annotated[int, typer.Option("--pid", "-p", help="The process to look at.")],
+    once: Annotated[bool, typer.Option("--once", help="One snapshot, then exit.")] = False,
+    interval: Annotated[float, typer.Option("--interval", "-i", min=0.1, help="Seconds between refreshes.")] = 2.0,
+    stacks: Annotated[bool, typer.Option("--stacks", help="Include the Python stacks of every thread.")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps the breakdown averages over.")] = 20,
+    json: JsonOpt = False,
+) -> None:
+    """Watch one process: step time breakdown, what it is inside now, CPU/memory/GPU, stacks.
+
+    Refreshes every --interval until Ctrl-C (one JSON line per refresh with --json); --once prints one snapshot.
+    """
+    from lingctl.timer.attach import Attacher, render, status_line
+
+    out_ = Output(json)
+    attacher = Attacher(pid, window_steps=steps)
+    try:
+        time.sleep(0.1)  # CPU % needs an interval
+        if once:
+            snap = attacher.snapshot(stacks=stacks)
+            out_.result(snap, render(snap))
+            return
+        live = None
+        if not json and out_.console.is_terminal:
+            from rich.live import Live
+            from rich.text import Text
+
+            live = Live(console=out_.console, auto_refresh=False)
+            live.start()
+        try:
+            while True:
+                try:
+                    snap = attacher.snapshot(stacks=stacks)
+                except NotFoundError:
+                    out_.info(f"process {pid} exited")
+                    return
+                if live is not None:
+                    live.update(Text(render(snap), overflow="fold"), refresh=True)
+                else:
+                    out_.record(snap, status_line(snap))
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+        finally:
+            if live is not None:
+                live.stop()
+    finally:
+        attacher.close()
+
+
+@app.command("diagnose")
+def diagnose(
+    trace_dir: Annotated[Path | None, typer.Argument(metavar="DIR", help="Trace directory of the job.")] = None,
+    pids: Annotated[str | None, typer.Option("--pids", metavar="PID,...", help="Traced processes of the job "
+                                                                                "(instead of DIR).")] = None,
+    hang_after: Annotated[float, typer.Option(
+        "--hang-after", metavar="S", min=0.0, help="Seconds in one collective that count as a hang.")] = 5.0,
+    stacks: Annotated[bool, typer.Option("--stacks/--no-stacks", help="Ask stuck ranks for their stacks.")] = True,
+    json: JsonOpt = False,
+) -> None:
+    """Find a hang or a straggler across all ranks of a job.
+
+    Hang: who never arrived at which collective, and where they are. Straggler: who arrives last, and whether
+    data, compute or communication makes it slow. Exit 0 when the analysis ran (the verdict is in the output),
+    3 when there are no traces.
+    """
+    from lingctl.timer.diagnose import diagnose as run_diagnosis
+
+    if (trace_dir is None) == (pids is None):
+        raise UsageError("give a trace directory or --pids, not both", hint="lingctl timer diagnose timer-DIR")
+    pid_list = None
+    if pids is not None:
+        try:
+            pid_list = [int(p) for p in pids.split(",") if p.strip()]
+        except ValueError:
+            raise UsageError(f"--pids {pids!r}: expected comma-separated process ids") from None
+        if not pid_list:
+            raise UsageError("--pids is empty")
+    d = run_diagnosis(trace_dir, pid_list, hang_after_s=hang_after, stacks=stacks)
+    Output(json).result(d.to_json(), d.render())
+
+
+@app.command("export")
+def export(
+    trace_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Trace directory of the job.")],
+    dest: Annotated[Path, typer.Option("--output", "-o", help="Chrome trace / Perfetto JSON file to write.")],
+    json: JsonOpt = False,
+) -> None:
+    """All ranks on one timeline in a Chrome trace (open it in ui.perfetto.dev or chrome://tracing)."""
+    from lingctl.timer.export import export_chrome
+
+    n = export_chrome(trace_dir, dest)
+    Output(json).result({"path": dest, "events": n}, f"wrote {n} events to {dest}")

@@ -1,0 +1,356 @@
+"""Look at one running process from outside: its trace ring if it is traced, its OS and GPU figures always.
+
+Reading a ring is a few ``struct`` reads of shared memory, so a snapshot costs the traced process nothing.
+Python stacks come from the process itself: a traced process has ``faulthandler`` registered on
+``STACKS_SIGNAL`` and dumps every thread's stack into ``<ring dir>/<pid>.stacks``, which works even while
+its main thread is stuck in native code holding the GIL (a Python-level handler would never run). A process
+that is not traced is never signalled (the default action of that signal is to terminate it); its stacks
+come from ``py-spy dump`` when py-spy is installed.
+
+This module must stay cheap to import: no torch, so the first snapshot appears in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.timer.ring import NO_GROUP, Header, Kind, Record, RingReader, ring_dir, ring_path
+from lingctl.timer.steps import breakdown, kind_name, op_name
+
+NOT_TRACED = ("not traced: no step times; start it under `lingctl timer run` or call lingctl.timer.install()")
+STACKS_TIMEOUT_S = 2.0
+STALE_HEARTBEAT_S = 1.0  # the tracer beats every 0.1 s; a second of silence means its thread cannot run
+
+
+def find_ring(pid: int, create_time: float | None = None, uid: int | None = None) -> Path | None:
+    """The ring of process ``pid`` if it is traced: ours, or (for root) the one in its owner's ring dir.
+
+    A ring left by an earlier process with the same pid is ignored (its start time differs).
+    """
+    candidates = [ring_path(pid)]
+    if uid is not None and uid != os.getuid():
+        candidates.append(ring_dir().parent / f"lingctl-timer-{uid}" / f"{pid}.ring")
+    for path in candidates:
+        try:
+            reader = RingReader(path)
+        except (OSError, ValueError):
+            continue
+        try:
+            h = reader.header()
+        finally:
+            reader.close()
+        if h.pid == pid and (create_time is None or abs(h.create_time - create_time) < 0.01):
+            return path
+    return None
+
+
+def request_stacks(pid: int, ring: Path, timeout: float = STACKS_TIMEOUT_S) -> str | None:
+    """Ask a traced process for all its threads' Python stacks; None when no complete dump came in time.
+
+    Only a process whose stacks file exists is signalled: the tracer removes the file before it lets go of the
+    signal. The file is emptied first; the dump is complete once the file is non-empty and its size holds still
+    for a moment (faulthandler writes it in one burst from the signal handler).
+    """
+    from lingctl.timer.tracer import STACKS_SIGNAL
+
+    path = ring.parent / f"{pid}.stacks"  # the tracer's stacks_path(pid), in the ring owner's directory
+    try:
+        os.truncate(path, 0)
+        os.kill(pid, STACKS_SIGNAL)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if size > 0 and size == last:
+            return path.read_bytes().decode(errors="replace")
+        last = size
+    return None
+
+
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH, else beside this Python (installed in the same environment)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    local = Path(sys.prefix) / "bin" / "py-spy"
+    return str(local) if local.is_file() and os.access(local, os.X_OK) else None
+
+
+def py_spy_stacks(pid: int, timeout: float = 10.0) -> tuple[str | None, str | None]:
+    """(stacks, None) from ``py-spy dump``, or (None, why not)."""
+    exe = py_spy()
+    if exe is None:
+        return None, "py-spy is not installed (pip install py-spy) so stacks of an untraced process are unavailable"
+    try:
+        r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy dump did not answer within {timeout:.0f} s"
+    if r.returncode != 0:
+        reason = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        return None, f"py-spy dump failed: {reason[-1] if reason else f'exit {r.returncode}'}"
+    return r.stdout, None
+
+
+def open_process(pid: int) -> Any:
+    """A ``psutil.Process`` we may inspect; one-line errors for a missing pid or someone else's process."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        uid = proc.uids().real
+        if os.getuid() != 0 and uid != os.getuid():
+            raise LingctlError(f"process {pid} belongs to {_user(uid)}; attach as that user (or root)")
+        proc.memory_info()  # the figures we read later: fail now, once, if they are off limits
+    except psutil.NoSuchProcess:
+        raise NotFoundError(f"no process with pid {pid}") from None
+    except psutil.AccessDenied:
+        raise access_denied(pid) from None
+    return proc
+
+
+def access_denied(pid: int) -> LingctlError:
+    return LingctlError(f"not allowed to inspect process {pid}; attach as its user (or root)")
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+# -- GPU (NVML) ----------------------------------------------------------------------------------------
+_nvml: dict[str, Any] = {}
+
+
+def gpu_facts(pid: int) -> tuple[list[dict] | None, str | None]:
+    """The GPUs process ``pid`` holds memory on, through NVML; (None, why) where NVML does not initialise."""
+    if "error" in _nvml:
+        return None, _nvml["error"]
+    try:
+        import pynvml
+
+        if "ok" not in _nvml:
+            pynvml.nvmlInit()
+            _nvml["ok"] = True
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            used = None
+            for fn in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                for p in fn(handle):
+                    if p.pid == pid:
+                        used = (used or 0) + (p.usedGpuMemory or 0)
+            if used is None:
+                continue
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "process_memory_bytes": used, "utilization_percent": util.gpu,
+                        "memory_used_bytes": mem.used, "memory_total_bytes": mem.total})
+        return out, None
+    except Exception as err:  # no driver, no library, no device: GPU figures are optional
+        _nvml["error"] = f"no GPU figures (NVML: {err})"
+        return None, _nvml["error"]
+
+
+# -- snapshots -----------------------------------------------------------------------------------------
+class Attacher:
+    """Repeated snapshots of one process, keeping what the next one can reuse: the psutil handle (so CPU %
+    covers the time since the previous snapshot) and the ring's records read so far."""
+
+    def __init__(self, pid: int, *, window_steps: int = 20) -> None:
+        self.pid = pid
+        self.window_steps = window_steps
+        self.proc = open_process(pid)
+        self.proc.cpu_percent(None)  # starts the CPU-time interval the next reading covers
+        self.ring_file = find_ring(pid, self.proc.create_time(), self.proc.uids().real)
+        self.reader = RingReader(self.ring_file) if self.ring_file is not None else None
+        self.records: deque[Record] = deque(maxlen=self.reader.header().capacity if self.reader else 1)
+        self._next = 0
+
+    @property
+    def traced(self) -> bool:
+        return self.reader is not None
+
+    def snapshot(self, *, stacks: bool = False) -> dict:
+        import psutil
+
+        try:
+            with self.proc.oneshot():
+                mem = self.proc.memory_info()
+                process = {"cmdline": self.proc.cmdline(), "status": self.proc.status(),
+                           "cpu_percent": self.proc.cpu_percent(None), "rss_bytes": mem.rss,
+                           "threads": self.proc.num_threads(), "user": self.proc.username()}
+        except psutil.NoSuchProcess:
+            raise NotFoundError(f"process {self.pid} exited") from None
+        except psutil.AccessDenied:
+            raise access_denied(self.pid) from None
+        gpus, gpu_note = gpu_facts(self.pid)
+        snap: dict[str, Any] = {"pid": self.pid, "traced": self.traced, "note": None if self.traced else NOT_TRACED,
+                                "time": time.time(), "process": process, "gpus": gpus, "gpu_note": gpu_note,
+                                "trace": self._trace() if self.reader is not None else None,
+                                "stacks": None, "stacks_source": None, "stacks_note": None}
+        if stacks:
+            self._stacks(snap)
+        return snap
+
+    def _trace(self) -> dict:
+        assert self.reader is not None
+        h = self.reader.header()
+        new, self._next = self.reader.records(self._next)
+        self.records.extend(new)
+        stats = breakdown(self.records, self.window_steps)
+        names = {g.index: g.name for g in h.groups}
+        return {**header_facts(h, time.monotonic_ns()), "breakdown": stats.to_json(names)}
+
+    def _stacks(self, snap: dict) -> None:
+        note = None
+        if self.ring_file is not None:
+            text = request_stacks(self.pid, self.ring_file)
+            if text is not None:
+                snap.update(stacks=text, stacks_source="faulthandler")
+                return
+            note = f"no stack dump from the process within {STACKS_TIMEOUT_S:.0f} s"
+        text, why = py_spy_stacks(self.pid)
+        if text is not None:
+            snap.update(stacks=text, stacks_source="py-spy")
+        snap["stacks_note"] = "; ".join(n for n in (note, why) if n) or None
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def snapshot(pid: int, *, stacks: bool = False, window_steps: int = 20) -> dict:
+    """One look at process ``pid``: trace state and step breakdown when traced, OS/GPU figures, and (``stacks``)
+    its Python stacks. Raises ``NotFoundError`` for a missing pid, ``LingctlError`` for another user's process."""
+    a = Attacher(pid, window_steps=window_steps)
+    try:
+        time.sleep(0.1)  # CPU % needs an interval
+        return a.snapshot(stacks=stacks)
+    finally:
+        a.close()
+
+
+def inside(h: Header, now_ns: int) -> dict | None:
+    """What the process's main thread is inside now, and for how long."""
+    if h.cur_kind == 0:
+        return None
+    names = {g.index: g.name for g in h.groups}
+    comm = h.cur_kind in (Kind.COLLECTIVE, Kind.P2P)
+    return {"kind": kind_name(h.cur_kind), "op": op_name(h.cur_op) if comm else None,
+            "group": names.get(h.cur_group, str(h.cur_group)) if comm and h.cur_group != NO_GROUP else None,
+            "seq": h.cur_seq if comm else None, "for_s": max(0, now_ns - h.cur_since_ns) / 1e9}
+
+
+def describe_inside(i: dict | None) -> str:
+    if i is None:
+        return "not inside a traced call"
+    if i["op"] is not None:
+        where = f"{i['op']} #{i['seq']}" + (f" of group {i['group']}" if i["group"] is not None else "")
+    else:
+        where = i["kind"]
+    return f"in {where} for {i['for_s']:.1f} s"
+
+
+def header_facts(h: Header, now_ns: int) -> dict:
+    """The live state a ring header holds, as plain values (ages in seconds on the process's clock)."""
+    return {
+        "rank": h.rank, "world": h.world, "local_rank": h.local_rank, "step": h.step, "enabled": h.enabled,
+        "argv": h.argv, "heartbeat_age_s": max(0, now_ns - h.heartbeat_ns) / 1e9,
+        "step_elapsed_s": max(0, now_ns - h.step_start_ns) / 1e9 if h.step_start_ns else None,
+        "inside": inside(h, now_ns),
+        "groups": [{"name": g.name, "size": g.size, "started_seq": g.started_seq, "completed_seq": g.completed_seq,
+                    "in_flight": g.in_flight, "last_op": op_name(g.last_op)} for g in h.groups],
+    }
+
+
+# -- human rendering -----------------------------------------------------------------------------------
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _size(n: float) -> str:
+    from lingctl.core.units import format_size
+
+    return format_size(n)
+
+
+def status_line(snap: dict) -> str:
+    """One line per refresh (off a terminal): step, step time and its largest parts, where the process is now."""
+    p = snap["process"]
+    proc = f"cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['status']}"
+    t = snap["trace"]
+    if t is None:
+        return f"pid {snap['pid']}: {proc}; {snap['note']}"
+    b = t["breakdown"]
+    parts = sorted(b["parts_s"].items(), key=lambda kv: -kv[1]["mean"])[:4]
+    mean = b["step_time_s"]["mean"]
+    split = ", ".join(f"{name} {s['mean'] / mean:.0%}" for name, s in parts) if mean > 0 else "no finished step"
+    return (f"rank {t['rank']}/{t['world']} step {t['step']}: {_ms(mean)}/step ({split}); "
+            f"{describe_inside(t['inside'])}; heartbeat {t['heartbeat_age_s']:.1f} s ago; {proc}")
+
+
+def render(snap: dict) -> str:
+    """The full snapshot for people: process, GPU, trace state, step breakdown, groups, stacks."""
+    p = snap["process"]
+    lines = [f"pid {snap['pid']}  {' '.join(p['cmdline'])[:120]}",
+             f"  {p['status']}, cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['threads']} threads, "
+             f"user {p['user']}"]
+    for g in snap["gpus"] or []:
+        lines.append(f"  gpu {g['index']} {g['name']}: {g['utilization_percent']}% busy, process holds "
+                     f"{_size(g['process_memory_bytes'])} ({_size(g['memory_used_bytes'])} of "
+                     f"{_size(g['memory_total_bytes'])} used)")
+    if snap["gpu_note"] and snap["gpus"] is None:
+        lines.append(f"  {snap['gpu_note']}")
+    t = snap["trace"]
+    if t is None:
+        lines.append(snap["note"])
+    else:
+        beat = t["heartbeat_age_s"]
+        lines.append(f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
+                     f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago")
+        if beat > STALE_HEARTBEAT_S:
+            lines.append("  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
+                         "tracing stopped (try --stacks)")
+        if not t["enabled"]:
+            lines.append("  tracing disabled itself after an internal error: the figures below stop there")
+        b = t["breakdown"]
+        if b["steps"]:
+            st = b["step_time_s"]
+            lines.append(f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
+                         f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s")
+            for name, s in b["parts_s"].items():
+                share = s["mean"] / st["mean"] if st["mean"] > 0 else 0.0
+                lines.append(f"  {name:<15} {_ms(s['mean']):>10} mean {_ms(s['last']):>10} last  {share:5.1%}")
+        else:
+            lines.append("no finished step yet (steps end at the optimizer's step())")
+        for g in t["groups"]:
+            state = "in flight" if g["in_flight"] else "idle"
+            lines.append(f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
+                         f"#{g['completed_seq']}, {state}, last {g['last_op']}")
+    if snap["stacks"]:
+        lines.append(f"stacks ({snap['stacks_source']}):")
+        lines.extend("  " + line for line in snap["stacks"].rstrip().splitlines())
+    if snap["stacks_note"]:
+        lines.append(f"stacks: {snap['stacks_note']}")
+    return "\n".join(lines)

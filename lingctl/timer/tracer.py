@@ -1,0 +1,805 @@
+"""The in-process tracer: thin timing wrappers around the few calls that matter, written to the ring.
+
+As XPUTimer in the Ling report: trace only the critical parts of a training step (collectives, point-to-point,
+optimizer step, data loading, outermost forward, backward, host-device copies), reuse everything (one ring, a
+fixed pool of CUDA events), and leave the rest to a background thread (heartbeat, compressed log, metadata).
+A wrapper costs two clock reads and three to five ``struct.pack_into`` into the ring (the record, what the
+main thread is inside, the group's progress): 1-2 us a call, 3 us for a collective, on a small 2-core VM.
+
+Per traced call one ring record (``ring.py``): ``seq`` is the collective's sequence number in its group for
+COLLECTIVE and P2P (counted here from 0; every rank calls collectives in the same order, so the numbers line up
+across ranks), and the index of the current step (0-based, = steps finished before the call) for the others.
+A STEP record spans from the previous step's end (or install time) to the end of this step's
+``Optimizer.step``. Calls with ``async_op=True`` and ``isend``/``irecv`` are timed until launch only: the
+wait happens elsewhere. GPU records (CUDA only): ``start_ns`` is when the forward or backward was launched
+on the host, ``end_ns - start_ns`` the GPU time between two events recorded around it, ``value`` the kind
+of the span (FORWARD or BACKWARD).
+
+Files: the ring and ``<ring dir>/<pid>.stacks`` (Python stacks of all threads, written by ``faulthandler``
+on ``STACKS_SIGNAL``, which the tracer takes over, even while the main thread is stuck in C holding the GIL;
+see ``read_stacks``), and, with ``out``, ``rank-R.PID.meta.json`` and ``rank-R.PID.trace.zst`` (raw
+records, one zstd frame a second; ``logs.py`` reads them). The tracer never breaks the program: an internal error disables it (wrappers
+become pass-through) with one warning. Forked children (DataLoader workers) are not traced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import fcntl
+import functools
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+
+from lingctl.timer.ring import (HEADER_SIZE, NO_GROUP, RECORD_SIZE, Kind, Op, RingReader, RingWriter, collect_stale,
+                                ring_dir, ring_path)
+
+log = logging.getLogger("lingctl.timer")
+
+STACKS_SIGNAL = signal.SIGUSR2
+DEFAULT_TARGETS = ("collectives", "p2p", "optimizer", "data", "forward", "backward", "copy")
+
+# torch.distributed name -> (op, payload parameter whose bytes are recorded)
+COLLECTIVES = {
+    "all_reduce": (Op.ALL_REDUCE, "tensor"), "broadcast": (Op.BROADCAST, "tensor"),
+    "all_gather": (Op.ALL_GATHER, "tensor_list"), "all_gather_into_tensor": (Op.ALL_GATHER, "output_tensor"),
+    "reduce_scatter": (Op.REDUCE_SCATTER, "input_list"), "reduce_scatter_tensor": (Op.REDUCE_SCATTER, "input"),
+    "reduce": (Op.REDUCE, "tensor"), "gather": (Op.GATHER, "tensor"), "scatter": (Op.SCATTER, "tensor"),
+    "all_to_all": (Op.ALL_TO_ALL, "input_tensor_list"), "all_to_all_single": (Op.ALL_TO_ALL, "input"),
+    "barrier": (Op.BARRIER, None),
+}
+P2P = {"send": Op.SEND, "isend": Op.SEND, "recv": Op.RECV, "irecv": Op.RECV}
+
+_now = time.monotonic_ns
+_get_ident = threading.get_ident
+_FORWARD, _BACKWARD, _OPTIMIZER, _STEP = int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER), int(Kind.STEP)
+_OTHER_THREAD = object()  # what _push returns off the main thread: the header shows the main thread only
+
+
+def stacks_path(pid: int) -> Path:
+    return ring_dir() / f"{pid}.stacks"
+
+
+def meta_path(out: Path, rank: int, pid: int) -> Path:
+    return Path(out) / f"rank-{rank}.{pid}.meta.json"
+
+
+def log_path(out: Path, rank: int, pid: int) -> Path:
+    return Path(out) / f"rank-{rank}.{pid}.trace.zst"
+
+
+def parse_targets(spec: str | None) -> set[str]:
+    """``None``/``""``/``"default"``/``"all"``: every target; else a comma list where ``name`` adds and ``-name``
+    removes (a list that starts with a removal starts from the default set): ``"collectives,p2p"``, ``"-copy"``."""
+    items = [s.strip() for s in (spec or "default").split(",") if s.strip()]
+    chosen = set(DEFAULT_TARGETS) if not items or items[0].startswith("-") else set()
+    for item in items:
+        name = item.removeprefix("-")
+        if name in ("default", "all"):
+            names = set(DEFAULT_TARGETS)
+        elif name in DEFAULT_TARGETS:
+            names = {name}
+        else:
+            raise ValueError(f"unknown timer target {name!r}; valid: {', '.join(DEFAULT_TARGETS)} (or default, all; "
+                             "'-name' removes one)")
+        chosen = chosen - names if item.startswith("-") else chosen | names
+    return chosen
+
+
+def read_stacks(pid: int, timeout: float = 3.0) -> str:
+    """Python stacks of every thread of traced process ``pid``: truncate its stacks file, signal it, wait until
+    the file is non-empty and stops growing. FileNotFoundError when the process is not traced (the signal would
+    kill an untraced process)."""
+    path = stacks_path(pid)
+    os.truncate(path, 0)
+    os.kill(pid, STACKS_SIGNAL)
+    deadline, last = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        size = path.stat().st_size
+        if size and size == last:
+            break
+        last = size
+    return path.read_text(errors="replace")
+
+
+def _nbytes(x) -> int:
+    try:
+        if x is None:
+            return 0
+        if isinstance(x, (list, tuple)):
+            return sum(t.nbytes for t in x if t is not None)
+        return x.nbytes
+    except Exception:
+        return 0
+
+
+def collect_stale_files() -> list[Path]:
+    """``ring.collect_stale`` (rings of dead processes), then the stacks files such processes left behind."""
+    import psutil
+
+    removed = collect_stale()
+    for path in ring_dir().glob("*.stacks"):
+        pid = int(path.stem) if path.stem.isdigit() else -1
+        if not ring_path(pid).exists() and not psutil.pid_exists(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+class _GpuTimer:
+    """GPU time of forward and backward, kept simple: a fixed pool of CUDA event pairs recorded on the current
+    stream around the call, polled with ``query()`` (never a synchronize) by the background thread. Spans are
+    not timed before the program has initialised CUDA, while a CUDA graph is captured, or when all pairs are
+    in flight."""
+
+    def __init__(self, cuda, size: int = 64) -> None:
+        self.cuda, self.size = cuda, size
+        self.free: list | None = None
+        self.pending: deque = deque()
+
+    def begin(self):
+        cuda = self.cuda
+        if not cuda.is_initialized() or cuda.is_current_stream_capturing():
+            return None
+        if self.free is None:
+            self.free = [(cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)) for _ in range(self.size)]
+        if not self.free:
+            return None
+        pair = self.free.pop()
+        pair[0].record()
+        return pair
+
+    def end(self, pair, kind: int, seq: int, start_ns: int) -> None:
+        pair[1].record()
+        self.pending.append((pair, kind, seq, start_ns))
+
+    def poll(self, writer: RingWriter) -> None:
+        while self.pending and self.pending[0][0][1].query():
+            (a, b), kind, seq, start_ns = self.pending.popleft()
+            gpu_ns = int(a.elapsed_time(b) * 1e6)
+            self.free.append((a, b))
+            writer.append(Kind.GPU, 0, NO_GROUP, seq, start_ns, start_ns + gpu_ns, kind)
+
+
+class _AfterImport:
+    """A one-shot meta path finder: run ``callback`` right after ``torch`` has been imported, so that installing
+    the tracer in every process (``timer run``) does not import torch into processes that never use it."""
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        self.remove()
+        try:
+            spec = importlib.util.find_spec(fullname)
+            exec_module, callback = spec.loader.exec_module, self.callback
+
+            def exec_then_patch(module):
+                exec_module(module)
+                callback()
+            spec.loader.exec_module = exec_then_patch
+            return spec
+        except Exception as exc:  # never stand in the way of the import itself
+            log.warning("lingctl timer: torch is not traced in this process: %r", exc)
+            return None
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class Tracer:
+    """The installed tracer (one per process; see ``install``)."""
+
+    def __init__(self, out: str | Path | None, targets: set[str], capacity: int, log_max_bytes: int) -> None:
+        self.pid = os.getpid()
+        self.out = Path(out) if out is not None else None
+        self.requested = targets
+        self.targets: list[str] = []
+        self.log_max_bytes = log_max_bytes
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.active = True
+        self.step = 0
+        self.argv = " ".join(sys.argv)
+        self._main = threading.main_thread().ident
+        self._cur = None  # (kind, op, group, seq) the main thread is inside, for nesting
+        self._fwd_depth = self._bwd_depth = 0
+        self._fwd_prev = self._fwd_gpu = None
+        self._fwd_start = 0
+        self._fwd_roots: dict[int, object] | None = None  # outermost modules seen before the first step
+        self._fwd_global: list = []
+        self._opt_pending: dict[int, tuple] = {}
+        self._first_opt = None
+        self._groups: dict[str, list[int]] = {}  # name -> [ring index, next collective seq, next p2p seq]
+        self._group_cache: dict = {}  # group object (None: default) -> the same list
+        self._rank_known = False
+        self._dist = None
+        self._gpu: _GpuTimer | None = None
+        self._patches: list[tuple] = []
+        self._handles: list = []
+        self._hook: _AfterImport | None = None
+        self._stop = threading.Event()
+        self._files_lock = threading.Lock()
+        self._version = 1  # bumped when rank, groups or targets change; the thread rewrites the meta file
+        self._meta_written = 0
+        self._files_rank: int | None = None
+        self._flushed = 0
+        self._log_size = 0
+        self._log_full = False
+        self._stacks_file = None
+        self.writer: RingWriter | None = None
+        try:
+            self._open_ring(capacity)
+            self._step_start = _now()
+            if self.out is not None:
+                import zstandard
+
+                self._zstd = zstandard.ZstdCompressor(level=3)
+                self.out.mkdir(parents=True, exist_ok=True)
+                self._sync_files()
+            if "torch" in sys.modules:
+                self._install_targets()
+            else:
+                self._hook = _AfterImport(self._install_targets)
+                sys.meta_path.insert(0, self._hook)
+            self._thread = threading.Thread(target=self._run, name="lingctl-timer", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.close(at_exit=True)
+            raise
+
+    def _open_ring(self, capacity: int) -> None:
+        d = ring_dir()
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Serialise collection with creation: a ring whose header is not written yet looks stale to a collector.
+        with open(d / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            collect_stale_files()
+            self.writer = RingWriter(ring_path(self.pid), capacity=capacity, rank=self.rank, world=self.world,
+                                     local_rank=self.local_rank, argv=self.argv)
+        reader = RingReader(self.writer.path)
+        try:
+            h = reader.header()
+        finally:
+            reader.close()
+        self.mono_anchor_ns, self.wall_anchor_ns = h.mono_anchor_ns, h.wall_anchor_ns
+        fd = os.open(stacks_path(self.pid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        # O_APPEND: a reader truncates the file before each request and the next dump must start at offset 0.
+        self._stacks_file = os.fdopen(fd, "w")
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
+
+    # -- failure ----------------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if not self.active:
+            return
+        self.active = False
+        try:
+            self.writer.disable()
+        except Exception:
+            pass
+        log.warning("lingctl timer: tracing disabled after an internal error: %r", exc)
+
+    # -- what the main thread is inside -----------------------------------------------------------
+    def _push(self, kind: int, op: int, group: int, seq: int, now: int | None = None):
+        if _get_ident() != self._main:
+            return _OTHER_THREAD
+        prev, self._cur = self._cur, (kind, op, group, seq)
+        self.writer.enter(kind, op, group, seq, now)
+        return prev
+
+    def _pop(self, prev) -> None:
+        if prev is _OTHER_THREAD:
+            return
+        self._cur = prev
+        if prev is None:
+            self.writer.leave()
+        else:
+            self.writer.enter(*prev)
+
+    # -- patching ---------------------------------------------------------------------------------
+    def _patch(self, obj, name: str, wrapper) -> None:
+        self._patches.append((obj, name, obj.__dict__.get(name), wrapper))
+        setattr(obj, name, wrapper)
+
+    def _install_targets(self) -> None:
+        try:
+            import torch
+
+            for name in ("collectives", "p2p", "optimizer", "data", "forward", "backward", "copy"):
+                if name in self.requested and getattr(self, f"_target_{name}")(torch) is not False:
+                    self.targets.append(name)
+            if self._dist is not None and self._dist.is_initialized():  # installed after init_process_group
+                self._update_rank()
+            if torch.cuda.is_available() and {"forward", "backward"} & self.requested:
+                self._gpu = _GpuTimer(torch.cuda)
+            self._version += 1
+        except Exception as exc:
+            self._fail(exc)
+
+    def _timed(self, fn, kind: int):
+        """A wrapper recording one ``kind`` record per call (the pattern every target follows)."""
+        t = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if not t.active:
+                return fn(*args, **kwargs)
+            ok = True
+            try:
+                start = _now()
+                prev = t._push(kind, 0, NO_GROUP, t.step, start)
+            except Exception as exc:
+                t._fail(exc)
+                ok = False
+            if not ok:  # outside the except block, so the call's own exceptions carry no context of ours
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                try:
+                    t._pop(prev)
+                    t.writer.append(kind, 0, NO_GROUP, t.step, start, _now(), 0)
+                except Exception as exc:
+                    t._fail(exc)
+        return wrapper
+
+    def _comm(self, fn, kind: int, op: int, payload: str | None):
+        import inspect
+
+        params = list(inspect.signature(fn).parameters)
+        group_i = params.index("group")
+        payload_i = params.index(payload) if payload else -1
+        collective = kind == Kind.COLLECTIVE
+        slot = 1 if collective else 2  # collectives and point-to-point are numbered apart
+        t, Tensor = self, sys.modules["torch"].Tensor
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if not t.active:
+                return fn(*args, **kwargs)
+            ok = True
+            try:
+                group = args[group_i] if len(args) > group_i else kwargs.get("group")
+                info = t._group_cache.get(group) or t._group(group)
+                if info is None:  # no default group yet: the call itself will say so
+                    ok = False
+                else:
+                    g = info[0]
+                    seq = info[slot]
+                    info[slot] = seq + 1
+                    x = None if payload_i < 0 else args[payload_i] if len(args) > payload_i else kwargs.get(payload)
+                    nbytes = x.nbytes if isinstance(x, Tensor) else _nbytes(x)
+                    start = _now()
+                    prev = t._push(kind, op, g, seq, start)
+                    if collective:
+                        t.writer.group_started(g, op, seq, start)
+            except Exception as exc:
+                t._fail(exc)
+                ok = False
+            if not ok:
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                try:
+                    end = _now()
+                    if collective:
+                        t.writer.group_completed(g, seq)
+                    t._pop(prev)
+                    t.writer.append(kind, op, g, seq, start, end, nbytes)
+                except Exception as exc:
+                    t._fail(exc)
+        return wrapper
+
+    def _group(self, group):
+        dist = self._dist
+        if not dist.is_initialized():
+            return None
+        if not self._rank_known:
+            self._update_rank()
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            name = dist.distributed_c10d._get_process_group_name(pg)
+        except Exception:
+            name = str(pg.group_name)
+        info = self._groups.get(name)
+        if info is None:
+            info = self._groups[name] = [self.writer.group_index(name, dist.get_world_size(pg)), 0, 0]
+            self._version += 1
+        self._group_cache[group] = info
+        return info
+
+    def _update_rank(self) -> None:
+        dist = self._dist
+        if dist is not None and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.local_rank = int(os.environ.get("LOCAL_RANK", self.local_rank))
+            self.writer.set_rank(self.rank, self.world, self.local_rank)
+            self._rank_known = True
+            self._version += 1
+
+    # -- targets (each returns False when it installed nothing) -----------------------------------
+    def _target_collectives(self, torch):
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return False
+        self._dist = dist
+        t, init = self, dist.init_process_group
+
+        @functools.wraps(init)
+        def init_process_group(*args, **kwargs):
+            result = init(*args, **kwargs)
+            try:
+                t._group_cache.clear()
+                t._update_rank()
+            except Exception as exc:
+                t._fail(exc)
+            return result
+        self._patch(dist, "init_process_group", init_process_group)
+        for name, (op, payload) in COLLECTIVES.items():
+            if hasattr(dist, name):
+                self._patch(dist, name, self._comm(getattr(dist, name), Kind.COLLECTIVE, op, payload))
+
+    def _target_p2p(self, torch):
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return False
+        self._dist = dist
+        for name, op in P2P.items():
+            self._patch(dist, name, self._comm(getattr(dist, name), Kind.P2P, op, "tensor"))
+
+    def _target_optimizer(self, torch):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        t = self
+
+        def pre(opt, args, kwargs):
+            if t.active:
+                try:
+                    t._opt_pending[id(opt)] = (_now(), t._push(_OPTIMIZER, 0, NO_GROUP, t.step))
+                except Exception as exc:
+                    t._fail(exc)
+
+        def post(opt, args, kwargs):
+            if t.active:
+                try:
+                    t._step_done(opt, _now())
+                except Exception as exc:
+                    t._fail(exc)
+        self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+
+    def _step_done(self, opt, end: int) -> None:
+        pending = self._opt_pending.pop(id(opt), None)
+        if pending is None:
+            return
+        start, prev = pending
+        self._pop(prev)
+        step, w = self.step, self.writer
+        w.append(_OPTIMIZER, 0, NO_GROUP, step, start, end, 0)
+        first = self._first_opt() if self._first_opt is not None else None
+        if first is None:  # steps count the first optimizer seen (or a replacement once it is gone)
+            self._first_opt, first = weakref.ref(opt), opt
+        if first is opt:
+            w.append(_STEP, 0, NO_GROUP, step, self._step_start, end, 0)
+            self.step, self._step_start = step + 1, end
+            w.set_step(step + 1, end)
+            if self._fwd_roots is not None:
+                self._settle_forward()
+
+    def _target_data(self, torch):
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        self._patch(_BaseDataLoaderIter, "__next__", self._timed(_BaseDataLoaderIter.__next__, int(Kind.DATA)))
+
+    def _target_forward(self, torch):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        t, compiling = self, torch.compiler.is_compiling
+
+        def pre(module, args):
+            if t.active and not compiling():
+                try:
+                    depth = t._fwd_depth
+                    t._fwd_depth = depth + 1
+                    if depth == 0 and t._fwd_roots is not None:
+                        t._fwd_roots[id(module)] = module
+                    if depth == 0 and t._bwd_depth == 0:  # outermost, and not a recompute inside backward
+                        t._fwd_start = _now()
+                        t._fwd_prev = t._push(_FORWARD, 0, NO_GROUP, t.step)
+                        t._fwd_gpu = t._gpu.begin() if t._gpu is not None else None
+                except Exception as exc:
+                    t._fail(exc)
+
+        def post(module, args, output):  # always_call: also when forward raised, so the depth stays right
+            if t.active and not compiling():
+                try:
+                    depth = max(t._fwd_depth - 1, 0)
+                    t._fwd_depth = depth
+                    if depth == 0 and t._fwd_start:
+                        start, t._fwd_start = t._fwd_start, 0
+                        t._pop(t._fwd_prev)
+                        t.writer.append(_FORWARD, 0, NO_GROUP, t.step, start, _now(), 0)
+                        if t._fwd_gpu is not None:
+                            t._gpu.end(t._fwd_gpu, _FORWARD, t.step, start)
+                except Exception as exc:
+                    t._fail(exc)
+        # Global module hooks put every module call (nested ones too) on PyTorch's slow hook path, several
+        # us each. They run only until the first optimizer step, to learn which modules are called
+        # outermost; then they are replaced by hooks on those modules alone (see _settle_forward).
+        self._fwd_hooks = (pre, post)
+        self._fwd_roots = {}
+        self._fwd_global = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        self._handles += self._fwd_global
+
+    def _settle_forward(self) -> None:
+        """After the first step: hook the outermost modules that hold parameters (the model), drop the
+        global hooks. A module first called outermost later (an eval model) is not traced."""
+        roots, self._fwd_roots = self._fwd_roots, None
+        if not roots or not getattr(self, "_fwd_global", None):
+            return
+        for handle in self._fwd_global:
+            handle.remove()
+            self._handles.remove(handle)
+        self._fwd_global = []
+        pre, post = self._fwd_hooks
+        for module in roots.values():
+            if next(module.parameters(), None) is not None:
+                self._handles += [module.register_forward_pre_hook(pre),
+                                  module.register_forward_hook(post, always_call=True)]
+
+    def _target_backward(self, torch):
+        self._patch(torch.Tensor, "backward", self._backward(torch.Tensor.backward))
+        self._patch(torch.autograd, "backward", self._backward(torch.autograd.backward))
+
+    def _backward(self, fn):
+        t = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if not t.active or t._bwd_depth:  # Tensor.backward calls torch.autograd.backward: count it once
+                return fn(*args, **kwargs)
+            ok = True
+            try:
+                t._bwd_depth = 1
+                start = _now()
+                prev = t._push(_BACKWARD, 0, NO_GROUP, t.step)
+                pair = t._gpu.begin() if t._gpu is not None else None
+            except Exception as exc:
+                t._fail(exc)
+                ok = False
+            if not ok:
+                t._bwd_depth = 0
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t._bwd_depth = 0
+                try:
+                    t._pop(prev)
+                    t.writer.append(_BACKWARD, 0, NO_GROUP, t.step, start, _now(), 0)
+                    if pair is not None:
+                        t._gpu.end(pair, _BACKWARD, t.step, start)
+                except Exception as exc:
+                    t._fail(exc)
+        return wrapper
+
+    def _target_copy(self, torch):
+        """Host-device copies through ``Tensor.to/cuda/cpu``; installed only when CUDA is available (on a
+        CPU-only machine there are no such copies and ``Tensor.to`` is too hot to wrap for nothing)."""
+        if not torch.cuda.is_available():
+            return False
+        t, compiling, kind = self, torch.compiler.is_compiling, int(Kind.COPY)
+
+        def wrap(fn):
+            @functools.wraps(fn)
+            def wrapper(tensor, *args, **kwargs):
+                if not t.active or compiling():
+                    return fn(tensor, *args, **kwargs)
+                start = _now()
+                result = fn(tensor, *args, **kwargs)
+                try:
+                    if result is not tensor and result.device.type != tensor.device.type:
+                        t.writer.append(kind, 0, NO_GROUP, t.step, start, _now(), result.nbytes)
+                except Exception as exc:
+                    t._fail(exc)
+                return result
+            return wrapper
+        for name in ("to", "cuda", "cpu"):
+            self._patch(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+
+    # -- background thread and files -------------------------------------------------------------
+    def _run(self) -> None:
+        ticks = 0
+        while not self._stop.wait(0.1):
+            try:
+                self.writer.heartbeat()
+                if self._gpu is not None and self.active:
+                    self._gpu.poll(self.writer)
+                ticks += 1
+                # every second, or sooner when the ring is half full and the log would lose records
+                if ticks % 10 == 0 or self.writer.index - self._flushed > self.writer.capacity // 2:
+                    with self._files_lock:
+                        self._sync_files()
+            except Exception as exc:
+                self._fail(exc)
+                return
+
+    def _sync_files(self) -> None:
+        if self.out is None:
+            return
+        rank, pid = self.rank, self.pid
+        if self._files_rank is not None and self._files_rank != rank:  # rank learned after files were written
+            old = log_path(self.out, self._files_rank, pid)
+            if old.exists():
+                os.replace(old, log_path(self.out, rank, pid))
+            self._write_meta()
+            meta_path(self.out, self._files_rank, pid).unlink(missing_ok=True)
+        elif self._meta_written != self._version:
+            self._write_meta()
+        self._files_rank = rank
+        self._flush_records()
+
+    def _write_meta(self) -> None:
+        from lingctl.core.atomic import atomic_write
+
+        version = self._version
+        meta = {"pid": self.pid, "rank": self.rank, "world": self.world, "local_rank": self.local_rank,
+                "argv": self.argv, "hostname": socket.gethostname(), "ring": str(self.writer.path),
+                "stacks": str(stacks_path(self.pid)), "log": log_path(self.out, self.rank, self.pid).name,
+                "mono_anchor_ns": self.mono_anchor_ns, "wall_anchor_ns": self.wall_anchor_ns,
+                "groups": dict(self.writer.groups), "targets": list(self.targets), "capacity": self.writer.capacity,
+                # "dist": from torch.distributed; "env": RANK was set; "default": neither (e.g. a launcher process)
+                "rank_source": "dist" if self._rank_known else "env" if "RANK" in os.environ else "default"}
+        with atomic_write(meta_path(self.out, self.rank, self.pid)) as (_, f):
+            f.write(json.dumps(meta, indent=1).encode())
+        self._meta_written = version
+
+    def _flush_records(self) -> None:
+        w = self.writer
+        end = w.index
+        start = max(self._flushed, end - w.capacity + 1)  # one slot of margin against a concurrent overwrite
+        if end <= start or self._log_full:
+            self._flushed = end
+            return
+        parts, i = [], start
+        while i < end:  # the new slots, in at most two runs around the ring's end
+            slot = i % w.capacity
+            n = min(end - i, w.capacity - slot)
+            offset = HEADER_SIZE + slot * RECORD_SIZE
+            parts.append(w.mm[offset:offset + n * RECORD_SIZE])
+            i += n
+        frame = self._zstd.compress(b"".join(parts))
+        if self._log_size + len(frame) > self.log_max_bytes:
+            self._log_full = True
+            log.warning("lingctl timer: %s reached %d bytes; no more records are logged (the ring still has the "
+                        "newest)", log_path(self.out, self.rank, self.pid), self.log_max_bytes)
+            return
+        with open(log_path(self.out, self.rank, self.pid), "ab") as f:
+            f.write(frame)
+        self._log_size += len(frame)
+        self._flushed = end
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self, *, at_exit: bool = False) -> None:
+        """Restore what was patched, stop the thread, flush the log, remove the ring and the stacks file."""
+        healthy, self.active = self.active, False
+        steps = [self._unpatch, self._stop_thread, self._final_flush]
+        if os.getpid() == self.pid:  # a forked child must not touch its parent's files
+            steps += [lambda: self._close_files(at_exit)]
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # after an internal error the one warning has been given already
+                log.log(logging.WARNING if healthy else logging.DEBUG, "lingctl timer: while closing: %r", exc)
+
+    def _unpatch(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        for handle in self._handles:
+            handle.remove()
+        for obj, name, original, wrapper in reversed(self._patches):
+            if obj.__dict__.get(name) is wrapper:  # leave alone what someone patched over ours
+                if original is None:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, original)
+        self._patches.clear()
+        self._handles.clear()
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+    def _final_flush(self) -> None:
+        if self.writer is None or os.getpid() != self.pid or not self._files_lock.acquire(timeout=2.0):
+            return
+        try:
+            if self._gpu is not None and self._gpu.free is not None:
+                self._gpu.poll(self.writer)
+            self._sync_files()
+        finally:
+            self._files_lock.release()
+
+    def _close_files(self, at_exit: bool) -> None:
+        # The stacks file goes first: readers only signal a process whose stacks file exists.
+        stacks_path(self.pid).unlink(missing_ok=True)
+        if self._stacks_file is not None and not at_exit:  # at exit the handler stays: the signal must not kill
+            faulthandler.unregister(STACKS_SIGNAL)
+            self._stacks_file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+_tracer: Tracer | None = None
+_lock = threading.Lock()
+
+
+def install(out: str | Path | None = None, *, targets: str | None = None, capacity: int = 1 << 16,
+            log_max_bytes: int = 256 << 20) -> Tracer | None:
+    """Trace this process (idempotent: a second call returns the tracer already installed). With ``out``, also
+    write a compressed log and a metadata file there. torch targets are patched now if torch is imported, else
+    right after it is. Returns None, with a warning, when the tracer could not be set up."""
+    global _tracer
+    chosen = parse_targets(targets)
+    with _lock:
+        if _tracer is None:
+            try:
+                _tracer = Tracer(out, chosen, capacity, log_max_bytes)
+            except Exception as exc:
+                log.warning("lingctl timer: tracing not installed: %r", exc)
+                return None
+            atexit.register(_at_exit, _tracer)
+        return _tracer
+
+
+def uninstall() -> None:
+    """Restore every patched function, stop the thread, flush the log, remove the ring and the stacks file."""
+    global _tracer
+    with _lock:
+        tracer, _tracer = _tracer, None
+    if tracer is not None:
+        tracer.close()
+
+
+def current() -> Tracer | None:
+    return _tracer
+
+
+def _at_exit(tracer: Tracer) -> None:
+    global _tracer
+    if _tracer is tracer and os.getpid() == tracer.pid:
+        _tracer = None
+        tracer.close(at_exit=True)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) shares its parent's ring mapping: its tracer goes quiet and lets go
+    of the signal; the child may install a tracer of its own."""
+    global _tracer, _lock
+    tracer, _tracer, _lock = _tracer, None, threading.Lock()
+    if tracer is not None:
+        tracer.active = False
+        if tracer._stacks_file is not None:
+            faulthandler.unregister(STACKS_SIGNAL)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
