@@ -9,6 +9,8 @@
    committed last), listed, and verified again by sampling.
 4. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
    8-64 tokens) answered by that checkpoint, a few answers shown.
+5. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
+   verdict) and `timer export` (a Perfetto timeline).
 """
 
 from __future__ import annotations
@@ -59,7 +61,19 @@ def main() -> None:
             lingctl("babel", "verify", str(checkpoint), target, "--mode", "sampled", env=env)
     print("\nthe S3 server is stopped and its files removed.")
     flood(checkpoint, run)
+    timer()
     print("\ndemo finished.")
+
+
+def timer() -> None:
+    """A traced training run: every Python process of the command writes its trace under runs/demo-timer."""
+    out = Path("runs/demo-timer")
+    shutil.rmtree(out, ignore_errors=True)
+    lingctl("timer", "run", "--out", str(out), "--", sys.executable, "-m", "lingctl", "train", "--preset", "tiny",
+            "--steps", "60", "--eval-every", "0", "--save-every", "0", "--out", str(out / "run"))
+    lingctl("timer", "diagnose", str(out))
+    lingctl("timer", "export", str(out), "-o", str(out / "trace.json"))
+    print(f"open {out / 'trace.json'} in https://ui.perfetto.dev or chrome://tracing to see the timeline")
 
 
 def flood(checkpoint: Path, run: Path) -> None:

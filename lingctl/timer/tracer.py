@@ -549,8 +549,9 @@ class Tracer:
         self._handles += self._fwd_global
 
     def _settle_forward(self) -> None:
-        """After the first step: hook the outermost modules that hold parameters (the model), drop the
-        global hooks. A module first called outermost later (an eval model) is not traced."""
+        """After the first step: time the outermost modules that hold parameters (the model) through their
+        own ``forward``, drop the global hooks. A module first called outermost later (an eval model) is
+        not traced."""
         roots, self._fwd_roots = self._fwd_roots, None
         if not roots or not getattr(self, "_fwd_global", None):
             return
@@ -559,10 +560,22 @@ class Tracer:
             self._handles.remove(handle)
         self._fwd_global = []
         pre, post = self._fwd_hooks
+
+        def timed(module, forward):
+            # An instance-level ``forward`` rather than module hooks: hooks send even this one call down
+            # PyTorch's slow hook path (measured ~12 us per call against ~3 us for this wrapper).
+            @functools.wraps(forward)
+            def traced_forward(*args, **kwargs):
+                pre(module, args)
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    post(module, args, None)
+            return traced_forward
+
         for module in roots.values():
             if next(module.parameters(), None) is not None:
-                self._handles += [module.register_forward_pre_hook(pre),
-                                  module.register_forward_hook(post, always_call=True)]
+                self._patch(module, "forward", timed(module, module.forward))
 
     def _target_backward(self, torch):
         self._patch(torch.Tensor, "backward", self._backward(torch.Tensor.backward))
