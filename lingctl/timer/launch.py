@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.timer.tracer import parse_targets
 
 INJECT_DIR = Path(__file__).resolve().parent / "_inject"
@@ -38,7 +39,12 @@ def run_traced(cmd: list[str], *, out: Path, targets: str | None) -> int:
         raise ValueError("no command to run")
     parse_targets(targets)  # a typo fails here, not in every child
     Path(out).mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, env=traced_env(out, targets))
+    try:
+        proc = subprocess.Popen(cmd, env=traced_env(out, targets))
+    except FileNotFoundError:
+        raise NotFoundError(f"command not found: {cmd[0]}") from None
+    except PermissionError:
+        raise LingctlError(f"cannot execute {cmd[0]}: permission denied") from None
 
     def forward(signum, frame):
         if signum == signal.SIGINT and _terminal_foreground():

@@ -342,3 +342,11 @@ def test_parse_targets() -> None:
     assert parse_targets("data,-data") == set()
     with pytest.raises(ValueError, match="'colectives'.*collectives, p2p"):
         parse_targets("colectives")
+
+
+def test_run_traced_names_a_missing_command(tmp_path) -> None:
+    from lingctl.core.errors import NotFoundError
+    from lingctl.timer.launch import run_traced
+
+    with pytest.raises(NotFoundError, match="command not found: /nonexistent-command"):
+        run_traced(["/nonexistent-command"], out=tmp_path / "t", targets=None)
