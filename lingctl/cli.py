@@ -10,9 +10,9 @@ from typing import Annotated
 import typer
 
 from lingctl import __version__
-from lingctl.commands import planned
 from lingctl.commands.babel import app as babel_app
 from lingctl.commands.flood import app as flood_app
+from lingctl.commands.pcache import app as pcache_app
 from lingctl.commands.timer import app as timer_app
 from lingctl.commands.doctor import doctor
 from lingctl.commands.train import train
@@ -50,9 +50,9 @@ app.command("train")(train)
 app.add_typer(babel_app, name="babel")
 app.add_typer(flood_app, name="flood")
 app.add_typer(timer_app, name="timer")
+app.add_typer(pcache_app, name="pcache")
 app.command("doctor")(doctor)
 app.command("version")(version)
-planned.register(app)
 
 
 def _fail(message: str, hint: str | None, code: int) -> int:

@@ -29,6 +29,9 @@ def train(
     out: Annotated[str | None, typer.Option(
         "--out", "-o", help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    cache_dir: Annotated[Path | None, typer.Option(
+        "--cache-dir", help="Node-local fast disk for s3:// runs: checkpoints land here and upload in the "
+                            "background (default: ~/.cache/lingctl/runs).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps in total.")] = None,
     max_seconds: Annotated[float | None, typer.Option(
         "--max-seconds", help="Stop (with a checkpoint) after this much wall time.")] = None,
@@ -92,7 +95,7 @@ def train(
         with view:
             result = run_training(out=out, resume=resume, overrides=overrides, config_file=config,
                                   s3=s3_options(endpoint_url, region, profile, path_style),
-                                  on_record=view.record, on_start=on_start)
+                                  on_record=view.record, on_start=on_start, cache_dir=cache_dir)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

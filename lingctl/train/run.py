@@ -69,7 +69,7 @@ def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mappi
 
 def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config_file: Path | None = None,
           s3: S3Options | None = None, on_record: Callable[[Record], None] | None = None,
-          on_start: Callable[[Trainer], None] | None = None) -> TrainResult:
+          on_start: Callable[[Trainer], None] | None = None, cache_dir: Path | None = None) -> TrainResult:
     """Run ``lingctl train``. ``overrides`` are dotted settings given on the command line (None = unset)."""
     explicit = {k: v for k, v in overrides.items() if v is not None}
     requested = build(TrainConfig, file=config_file, section="train" if config_file else None, overrides=explicit)
@@ -78,7 +78,7 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
         explicit = {**_flatten(load_toml(config_file, "train")), **explicit}
     if resume and out is None:
         raise UsageError("--resume needs --out: the run directory to continue")
-    run = RunDir(out or default_out(requested.preset), s3)
+    run = RunDir(out or default_out(requested.preset), s3, cache_dir=cache_dir)
     config = requested
     latest = run.latest() if resume else None
     if resume and latest is None:

@@ -9,9 +9,13 @@ Layout::
 
 A checkpoint counts only once ``latest.json`` names it, and ``latest.json`` is replaced only after every
 file of the checkpoint is written (and uploaded), so a crash mid-save leaves the previous checkpoint in
-charge. For ``s3://`` runs, files are written to a local staging directory and uploaded through the core
-storage layer; the store has no append, so ``metrics.jsonl`` is re-uploaded whole at each checkpoint and at
-the end of the run.
+charge. The training state (model, optimizer, data position) is a pcache DCP checkpoint in ``state/``.
+
+For ``s3://`` runs the local directory is pcache's flash tier (``--cache-dir``): a checkpoint is written
+there at local-disk speed, training continues, and pcache's uploader copies ``state/`` to the store in the
+background (its commit marker last), then the other files, then ``latest.json``. A resume reads the local
+copy when it is complete and verifies, and downloads otherwise. The store has no append, so
+``metrics.jsonl`` is re-uploaded whole at each checkpoint and at the end of the run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.core.storage import ObjectStore, S3Options, StoreURL, open_store, parse_url
+from lingctl.pcache import tier
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +39,26 @@ LATEST = "latest.json"
 METRICS = "metrics.jsonl"
 TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
+STATE_DIR = "state"  # the pcache (DCP) checkpoint inside each checkpoint directory
 
 
 def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINTS}/step-{step:08d}"
 
 
-def staging_dir(url: StoreURL) -> Path:
-    base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
-    return base / "runs" / hashlib.sha256(str(url).encode()).hexdigest()[:16]
+def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
+    base = Path(cache_dir) if cache_dir is not None else Path(
+        os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "runs"
+    return base / hashlib.sha256(str(url).encode()).hexdigest()[:16]
 
 
 class RunDir:
-    def __init__(self, url: str, s3: S3Options | None = None) -> None:
+    def __init__(self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None) -> None:
         self.url = parse_url(url)
+        self.s3 = s3 or S3Options()
         self.store: ObjectStore | None = open_store(self.url, s3) if self.url.is_s3 else None
-        self.local = staging_dir(self.url) if self.store is not None else self.url.path
+        self.local = staging_dir(self.url, cache_dir) if self.store is not None else self.url.path
+        self._uploader: tier.Uploader | None = None
 
     def describe(self) -> str:
         return str(self.url) if self.store is not None else str(self.local)
@@ -92,6 +101,9 @@ class RunDir:
             if not (self.local / latest["path"]).is_dir():
                 raise NotFoundError(f"{LATEST} names {latest['path']}, which is missing from {self.local}")
             return
+        if self._local_copy_complete(latest["path"]):
+            log.info("resuming from the local copy of %s in %s", latest["path"], self.local)
+            return
         shutil.rmtree(self.local, ignore_errors=True)
         self.local.mkdir(parents=True, exist_ok=True)
         keys = [o.key for o in self.store.list(latest["path"].rstrip("/") + "/")]
@@ -99,6 +111,27 @@ class RunDir:
             raise NotFoundError(f"{LATEST} names {latest['path']}, which is missing from {self.describe()}")
         for key in keys + [k for k in (TOKENIZER, METRICS) if self.store.exists(k)]:
             self.store.download(key, self.local / key)
+        state = self.local / latest["path"] / STATE_DIR
+        if state.is_dir():
+            problems = tier.verify_local(state)
+            if problems:
+                raise LingctlError(f"{self.describe()}/{latest['path']}/{STATE_DIR}: {problems[0]}")
+
+    def _local_copy_complete(self, rel: str) -> bool:
+        """The staged copy of checkpoint ``rel`` is whole: its pcache state verifies against its marker and
+        the files uploaded after it are present with the sizes the store has."""
+        ckpt = self.local / rel
+        state = ckpt / STATE_DIR
+        if not state.is_dir() or tier.verify_local(state) or not (self.local / TOKENIZER).exists():
+            return False
+        assert self.store is not None
+        for obj in self.store.list(rel.rstrip("/") + "/"):
+            if obj.key.startswith(f"{rel}/{STATE_DIR}/"):
+                continue
+            path = self.local / obj.key
+            if not path.is_file() or path.stat().st_size != obj.size:
+                return False
+        return True
 
     # -- writing ----------------------------------------------------------------------------------
     def publish(self, relpaths: list[str]) -> None:
@@ -107,6 +140,28 @@ class RunDir:
             return
         for rel in relpaths:
             self.store.upload(rel, self.local / rel)
+
+    def publish_checkpoint(self, step: int, rel: str, files: list[str]) -> None:
+        """Make checkpoint ``rel`` durable and then current. Local runs: commit now. s3:// runs: upload
+        ``state/`` in the background (pcache's uploader, marker last), then ``files`` in order, then commit;
+        training goes on meanwhile, and ``latest.json`` moves only once everything is in the store."""
+        if self.store is None:
+            self.commit(step, rel)
+            return
+        if self._uploader is None:
+            self._uploader = tier.Uploader()
+
+        def durable(_: str) -> None:
+            self.publish(files)
+            self.commit(step, rel)
+
+        self._uploader.submit(self.local / rel / STATE_DIR, str(self.url.join(f"{rel}/{STATE_DIR}")), self.s3,
+                              rank=None, finalize=True, on_durable=durable)
+
+    def wait_uploads(self) -> None:
+        """Block until background checkpoint uploads are done; raise the first failure."""
+        if self._uploader is not None:
+            self._uploader.wait()
 
     def commit(self, step: int, path: str) -> None:
         """Make checkpoint ``path`` the one a resume starts from (after all its files are in place)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.config import to_dict
@@ -26,17 +27,19 @@ from lingctl.core.errors import LingctlError, UsageError
 from lingctl.model.checkpoint import save_checkpoint
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import load_safetensors
+from lingctl.pcache.checkpoint import load as pcache_load
+from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.train import losses, schedule
 from lingctl.train.config import TrainConfig, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
-from lingctl.train.rundir import METRICS, TOKENIZER, RunDir, checkpoint_name
+from lingctl.train.rundir import METRICS, STATE_DIR, TOKENIZER, RunDir, checkpoint_name
 from lingctl.train.spike import SpikeGuard
 from lingctl.train.tokenizer import save_tokenizer
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "train_state.pt"
+STATE_FILE = "train_state.pt"  # the training state of checkpoints written before it moved into state/
 CONFIG_FILE = "train_config.json"
 
 Record = dict[str, Any]
@@ -130,16 +133,19 @@ class Trainer:
 
     def _load_state(self, latest: dict[str, Any]) -> None:
         ckpt = self.run.local / latest["path"]
-        weights = load_safetensors(ckpt / "model.safetensors")
-        if self.model.config.tie_word_embeddings:
-            weights["lm_head.weight"] = weights["model.word_embeddings.weight"]
-        self.model.load_state_dict(weights, strict=True)
-        state = torch.load(ckpt / STATE_FILE, weights_only=True)
+        if (ckpt / STATE_DIR).is_dir():
+            state = self._load_pcache_state(ckpt / STATE_DIR)
+        else:
+            weights = load_safetensors(ckpt / "model.safetensors")
+            if self.model.config.tie_word_embeddings:
+                weights["lm_head.weight"] = weights["model.word_embeddings.weight"]
+            self.model.load_state_dict(weights, strict=True)
+            state = torch.load(ckpt / STATE_FILE, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
         if state["fingerprint"] != self.data.fingerprint:
             raise LingctlError("the training data changed since this run was checkpointed "
                                f"(fingerprint {state['fingerprint']} -> {self.data.fingerprint})",
                                hint="resume with the same --data, or start a new run with another --out")
-        self.optimizer.load_state_dict(state["optimizer"])
         self.guard.load_state_dict(state["guard"])
         for router, (mean, std) in zip(self.model.routers(), state["router_stats"]):
             router.logit_mean, router.logit_std = mean, std
@@ -150,6 +156,17 @@ class Trainer:
         self.resumed_from = self.step
         self._truncate_metrics(self.step)
         log.info("resumed %s at step %d", self.run.describe(), self.step)
+
+    def _load_pcache_state(self, directory: Any) -> dict[str, Any]:
+        """Model and optimizer from the run's pcache checkpoint; returns the rest of the training state."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        template = {"model": model_sd, "optimizer": optim_sd, "train": {"meta": "", "rng": torch.get_rng_state()}}
+        pcache_load(template, directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=template["model"],
+                       optim_state_dict=template["optimizer"])
+        state = json.loads(template["train"]["meta"])
+        state["rng"] = template["train"]["rng"]
+        return state
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop records written after the checkpoint (and a torn last line), so the resumed run's records
@@ -204,6 +221,7 @@ class Trainer:
                 checkpoint = self._save(start)
         finally:
             self._metrics.close()
+            self.run.wait_uploads()
             self.run.publish([METRICS])
         return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
 
@@ -350,25 +368,28 @@ class Trainer:
         rel = checkpoint_name(self.step)
         directory = self.run.local / rel
         save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
-        state = {
+        meta = {
             "step": self.step, "attempt": self.attempt, "tokens": self.tokens,
             "cursor": self.position.cursor,
             "retries": [{"due": r.due, "rows": r.rows, "tries": r.tries} for r in self.position.retries],
-            "optimizer": self.optimizer.state_dict(), "guard": self.guard.state_dict(),
+            "guard": self.guard.state_dict(),
             "router_stats": [(r.logit_mean, r.logit_std) for r in self.model.routers()],
-            "rng": torch.get_rng_state(), "fingerprint": self.data.fingerprint,
+            "fingerprint": self.data.fingerprint,
             "elapsed_s": self.elapsed_before + time.monotonic() - start,
         }
-        with atomic_write(directory / STATE_FILE) as (_, f):
-            torch.save(state, f)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # Model, optimizer and position in one pcache checkpoint: planned across ranks, streamed through a
+        # bounded buffer, committed by its marker; the HF-format files beside it are what flood loads.
+        pcache_save({"model": model_sd, "optimizer": optim_sd,
+                     "train": {"meta": json.dumps(meta), "rng": torch.get_rng_state()}},
+                    directory / STATE_DIR, extra={"step": self.step})
         with atomic_write(directory / CONFIG_FILE) as (_, f):
             f.write(json.dumps(to_dict(self.config), indent=2).encode())
         self._metrics.flush()
         files = sorted(p.relative_to(self.run.local).as_posix() for p in directory.iterdir() if p.is_file())
-        # Weights and state first, config.json last: a half-uploaded checkpoint has no config.
+        # Weights first, config.json last: a half-uploaded checkpoint has no config.
         files.sort(key=lambda name: name.endswith("/config.json"))
-        self.run.publish(files + [METRICS])
-        self.run.commit(self.step, rel)
+        self.run.publish_checkpoint(self.step, rel, files + [METRICS])
         self.run.prune(self.config.keep_checkpoints, rel)
         self._emit({"event": "checkpoint", "step": self.step, "path": f"{self.run.describe()}/{rel}"})
         return rel

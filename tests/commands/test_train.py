@@ -131,13 +131,21 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
     env = {**s3_env, "LINGCTL_CACHE_DIR": str(tmp_path / "cache")}
     url = f"s3://{s3_bucket}/runs/a"
     common = (*TINY, "--save-every", "4", "--data", str(text_corpus), "--out", url, "--json")
-    first = lingctl(*common, "--steps", "8", env=env)
+    first = lingctl(*common, "--steps", "8", "--cache-dir", str(tmp_path / "flash"), env=env)
     assert first.returncode == 0, first.stderr
     client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="runs/a/")["Contents"]}
     for name in ("latest.json", "metrics.jsonl", "tokenizer.json", "checkpoints/step-00000008/config.json",
-                 "checkpoints/step-00000008/model.safetensors", "checkpoints/step-00000008/train_state.pt"):
+                 "checkpoints/step-00000008/model.safetensors", "checkpoints/step-00000008/train_config.json",
+                 "checkpoints/step-00000008/state/pcache.json", "checkpoints/step-00000008/state/.metadata",
+                 "checkpoints/step-00000008/state/__0_0.distcp"):
         assert f"runs/a/{name}" in keys
+    # The checkpoint was written to the flash tier first; the store's copy verifies against its marker.
+    assert list((tmp_path / "flash").glob("*/checkpoints/step-00000008/state/pcache.json"))
+    status = lingctl("pcache", "status", str(next((tmp_path / "flash").iterdir())), "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    states = {c["name"]: c["state"] for c in json.loads(status.stdout)["checkpoints"]}
+    assert states["checkpoints/step-00000008/state"] == "durable", states
     latest = json.loads(client.get_object(Bucket=s3_bucket, Key="runs/a/latest.json")["Body"].read())
     assert latest == {"step": 8, "path": "checkpoints/step-00000008"}
     # A fresh staging directory: the resume must come from the store, not from local leftovers.

@@ -1,0 +1,147 @@
+"""Save and load distributed checkpoints the pcache way: the public API that ``lingctl train`` uses.
+
+``save(state, "s3://bucket/run/step-100", cache_dir="/nvme/cache")`` writes this rank's share (as the
+planner decided) into the node-local cache at local-disk speed and returns; the uploader copies it to the
+destination in the background, the commit marker last. A local or shared-filesystem destination without a
+cache dir is written in place. ``load`` reads through ``tier.resolve_for_read``: the local copy when it is
+complete and verified, else what the remote holds.
+
+Errors that DCP collects from all ranks come back as one ``CheckpointException``; the first lingctl error in
+it is re-raised as itself, so the command line shows one line, not every rank's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lingctl.core.errors import LingctlError
+from lingctl.core.storage import S3Options, parse_url
+from lingctl.pcache import tier
+from lingctl.pcache.planner import DEFAULT_CHUNK_BYTES, PCacheSavePlanner, PlanSummary
+from lingctl.pcache.throttle import NodeThrottle
+from lingctl.pcache.topology import Topology
+from lingctl.pcache.writer import DEFAULT_BUFFER_BYTES, PCacheWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class SaveResult:
+    local_dir: str  # where this rank wrote
+    remote: str | None  # where the uploader copies it (None: the local directory is the destination)
+    written_bytes: int  # by this rank
+    seconds: float  # the blocking part: planning and the local write
+    plan: PlanSummary | None = None  # on the coordinator
+
+
+def cache_path(url: str, cache_dir: Path | str | None) -> Path:
+    """The node-local directory that mirrors the checkpoint at ``url`` (s3://bucket/key -> CACHE/key)."""
+    parsed = parse_url(url)
+    base = Path(cache_dir) if cache_dir is not None else tier.default_cache_dir()
+    if parsed.is_s3:
+        return base / parsed.prefix.strip("/")
+    return base / parsed.path.absolute().relative_to("/")
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # Without a process group DCP warns on every call that it assumes one process: that is the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _unwrap(exc: CheckpointException) -> Exception:
+    # DCP keeps each rank's failure as (exception, traceback).
+    failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+    for failure in failures:
+        if isinstance(failure, LingctlError):
+            return failure
+    first = failures[0] if failures else exc
+    return LingctlError(f"checkpoint failed on rank(s) {sorted(exc.failures)}: {type(first).__name__}: {first}")
+
+
+def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path | str | None = None,
+         s3: S3Options | None = None, uploader: tier.Uploader | None = None, topology: Topology | None = None,
+         ranks_per_node: int | None = None, node_bandwidth: float | list[float] | None = None,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+         throttle: NodeThrottle | None = None, extra: dict[str, Any] | None = None,
+         process_group: Any = None, on_durable: Any = None) -> SaveResult:
+    """Write one checkpoint (every rank calls this, as with ``dcp.save``).
+
+    ``destination`` is a directory or ``s3://`` URL of its own per checkpoint. With a remote destination
+    (s3://, or a path while ``cache_dir`` is given) the write goes to the cache and is uploaded: by
+    ``uploader`` in the background when given (``on_durable(url)`` runs once the marker is up), else before
+    this returns.
+    """
+    start = time.monotonic()
+    url = str(destination)
+    remote = url if parse_url(url).is_s3 or cache_dir is not None else None
+    local = cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
+    planner = PCacheSavePlanner(topology=topology, ranks_per_node=ranks_per_node, node_bandwidth=node_bandwidth,
+                                chunk_bytes=min(chunk_bytes, buffer_bytes))
+
+    def marker_extra() -> dict[str, Any]:
+        plan = planner.summary
+        figures = {"plan": {"node_bytes": plan.node_bytes, "rank_bytes": plan.rank_bytes,
+                            "estimated_s": plan.estimated_s, "items": plan.items}} if plan else {}
+        return {**figures, **(extra or {})}
+
+    writer = PCacheWriter(local, buffer_bytes=buffer_bytes, throttle=throttle, extra=marker_extra)
+    try:
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+    except CheckpointException as exc:
+        raise _unwrap(exc) from None
+    seconds = time.monotonic() - start
+    rank = _rank()
+    if remote is not None:
+        finalize = rank == 0
+        if uploader is not None:
+            uploader.submit(local, remote, s3, rank=rank, finalize=finalize, on_durable=on_durable)
+        else:
+            tier.upload(local, remote, s3, rank=rank, finalize=finalize)
+            if finalize and on_durable is not None:
+                on_durable(remote)
+    log.debug("rank %d wrote %d bytes of %s in %.2f s", rank, writer.written_bytes, local, seconds)
+    return SaveResult(local_dir=str(local), remote=remote, written_bytes=writer.written_bytes,
+                      seconds=round(seconds, 4), plan=planner.summary)
+
+
+def load(state_dict: dict[str, Any], source: str | Path, *, cache_dir: Path | str | None = None,
+         s3: S3Options | None = None, process_group: Any = None) -> Path:
+    """Load ``state_dict`` in place from a checkpoint (any world size; DCP reshards). Returns the local
+    directory read. With an s3:// source, one rank per node brings the files into the cache first."""
+    url = str(source)
+    parsed = parse_url(url)
+    if parsed.is_s3:
+        local = cache_path(url, cache_dir)
+        multi = dist.is_available() and dist.is_initialized()
+        if not multi or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+            tier.resolve_for_read(url, cache_dir=local, s3=s3, exact=True)
+        if multi:
+            dist.barrier(group=process_group)
+    else:
+        local = tier.resolve_for_read(url, cache_dir=None, s3=s3)
+    try:
+        with _quiet_single_process():
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(local)), process_group=process_group)
+    except CheckpointException as exc:
+        raise _unwrap(exc) from None
+    return local

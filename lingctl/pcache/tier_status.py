@@ -1,0 +1,278 @@
+"""What state each checkpoint of the flash tier is in: its marker, its recorded uploads, its remote copy.
+
+States, in the order they are decided:
+
+- ``durable``: the remote holds ``pcache.json`` and every file it lists, with the listed sizes (and CRCs,
+  where the store records them). Nothing else matters once this is true.
+- ``upload-failed``: an upload recorded an error, or stopped without finishing (its process is gone), or
+  the remote has a marker whose files do not match.
+- ``uploading``: an upload is running, or this node's ranks sent their files and the coordinator has not
+  sent the marker yet.
+- ``incomplete``: no marker locally (a save that did not finish). Only the coordinator's node holds the
+  marker, so other nodes show their copy as ``incomplete`` until it is uploaded.
+- ``local-only``: complete locally, not uploaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.atomic import TMP_MARKER, atomic_write
+from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
+from lingctl.core.storage import ObjectStore, S3Options, open_store, parse_url
+
+log = logging.getLogger(__name__)
+
+MARKER = "pcache.json"
+METADATA = ".metadata"
+FORMAT = "lingctl-pcache"
+STATE_DIR = ".pcache"
+STATES = ("incomplete", "local-only", "uploading", "durable", "upload-failed")
+MAX_DEPTH = 3  # how far below the given path checkpoints are looked for: <root>/<run>/<step>/... is typical
+
+
+# -- the marker ---------------------------------------------------------------------------------------------
+
+
+def parse_marker(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        marker = json.loads(data)
+        ok = (marker.get("format") == FORMAT and isinstance(marker.get("files"), dict)
+              and all(isinstance(f.get("size"), int) for f in marker["files"].values()))
+    except (ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise VerificationError(f"{where} is not a valid {FORMAT} marker",
+                                hint="the checkpoint is damaged; fetch it again or pick another step")
+    version = marker.get("version", 1)
+    if not isinstance(version, int) or version > 1:
+        raise UsageError(f"{where} has marker version {version!r}, newer than this lingctl reads (1)",
+                         hint="upgrade lingctl")
+    return marker
+
+
+def read_marker(local_dir: Path) -> dict[str, Any] | None:
+    """The commit marker of ``local_dir``, or None when it has none (an unfinished save)."""
+    path = Path(local_dir) / MARKER
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LingctlError(f"{path}: {exc.strerror or exc}") from exc
+    return parse_marker(data, str(path))
+
+
+# -- recorded progress --------------------------------------------------------------------------------------
+
+
+def state_dir(local_dir: Path) -> Path:
+    """Where progress of ``local_dir`` is recorded: beside it, so that it is never uploaded with it."""
+    local_dir = Path(local_dir).absolute()
+    return local_dir.parent / STATE_DIR / local_dir.name
+
+
+def _state_path(local_dir: Path, rank: int | None) -> Path:
+    return state_dir(local_dir) / f"upload-{'all' if rank is None else f'rank{rank}'}.json"
+
+
+def record(local_dir: Path, rank: int | None, remote: str, phase: str, **extra: Any) -> None:
+    state = {"remote": remote, "rank": rank, "phase": phase, "pid": os.getpid(), "host": socket.gethostname(),
+             "updated_unix": time.time(), **extra}
+    try:
+        with atomic_write(_state_path(local_dir, rank)) as (_, f):
+            f.write(json.dumps(state).encode())
+    except LingctlError as exc:  # progress notes are advisory: losing one must not fail the upload itself
+        log.warning("could not record upload progress of %s: %s", local_dir, exc)
+
+
+def records(local_dir: Path) -> list[dict[str, Any]]:
+    """Every recorded upload of ``local_dir`` (one per uploading process), newest first."""
+    out = []
+    for path in state_dir(local_dir).glob("upload-*.json"):
+        try:
+            out.append(json.loads(path.read_bytes()))
+        except (OSError, ValueError):
+            continue  # a note being replaced right now; the next look will see it
+    return sorted(out, key=lambda r: r.get("updated_unix", 0), reverse=True)
+
+
+def recorded_remote(local_dir: Path) -> str | None:
+    """The destination the last upload of ``local_dir`` was sent to, if any."""
+    found = records(local_dir)
+    return found[0]["remote"] if found else None
+
+
+# -- remote checks ------------------------------------------------------------------------------------------
+
+
+def remote_sizes(store: ObjectStore) -> dict[str, int]:
+    return {info.key: info.size for info in store.list("", recursive=False) if not info.is_dir}
+
+
+def remote_problems(store: ObjectStore, files: dict[str, dict], sizes: dict[str, int]) -> list[str]:
+    """What keeps ``files`` (name -> size, crc64nvme) at ``store`` from matching the marker.
+
+    CRCs are compared only where the store keeps one per object (S3: one HEAD each); a shared filesystem keeps
+    none, and computing them would read the whole checkpoint back (``babel verify --mode full`` does that).
+    """
+    problems = []
+    for name, want in sorted(files.items()):
+        have = sizes.get(name)
+        if have is None:
+            problems.append(f"{name}: missing at the remote")
+        elif have != want["size"]:
+            problems.append(f"{name}: {have} bytes at the remote, expected {want['size']}")
+    if problems or not store.url.is_s3:
+        return problems
+    names = sorted(n for n, f in files.items() if f.get("crc64nvme"))
+    with ThreadPoolExecutor(16, thread_name_prefix="pcache-head") as pool:
+        for name, got in zip(names, pool.map(store.checksum, names)):
+            if got is not None and got != files[name]["crc64nvme"]:
+                problems.append(f"{name}: checksum {got} at the remote, expected {files[name]['crc64nvme']}")
+    return problems
+
+
+# -- status -------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointStatus:
+    name: str  # relative to the path given to status(); the directory's own name when it is the checkpoint
+    local_dir: Path
+    remote: str | None
+    state: str  # one of STATES
+    files: int  # files of the checkpoint on this node
+    bytes: int
+    uploaded_bytes: int  # of those bytes, what the remote holds with the same sizes
+    problems: list[str] = field(default_factory=list)
+
+
+def is_checkpoint(directory: Path) -> bool:
+    try:
+        with os.scandir(directory) as it:
+            return any(e.name == MARKER or (e.name.startswith("__") and e.name.endswith(".distcp")) for e in it)
+    except OSError:
+        return False
+
+
+def find_checkpoints(path: Path, depth: int = MAX_DEPTH) -> list[Path]:
+    """Checkpoint directories at or below ``path`` (not below a checkpoint), in name order; hidden
+    directories (recorded progress, babel journals) are skipped."""
+    if is_checkpoint(path):
+        return [path]
+    if depth == 0:
+        return []
+    found: list[Path] = []
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
+            found += find_checkpoints(Path(entry.path), depth - 1)
+    return found
+
+
+def status(path: Path, remote_url: str | None = None, s3: S3Options | None = None) -> list[CheckpointStatus]:
+    """The state of every checkpoint at or below ``path`` (up to three levels down).
+
+    ``remote_url`` is where ``path`` is uploaded to (a checkpoint below it goes to the same relative path
+    there); without it, each checkpoint's remote is the one its last upload recorded.
+    """
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise NotFoundError(f"directory {path} does not exist")
+    root = parse_url(remote_url) if remote_url else None
+    out = []
+    for directory in find_checkpoints(path):
+        rel = directory.relative_to(path).as_posix()
+        name = directory.name if rel == "." else rel
+        remote = None if root is None else str(root if rel == "." else root.join(rel))
+        out.append(checkpoint_status(directory, name=name, remote=remote, s3=s3))
+    return out
+
+
+def _alive(rec: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``rec`` may still be uploading (another host's cannot be checked)."""
+    if rec.get("host") != socket.gethostname() or not rec.get("pid"):
+        return True
+    try:
+        os.kill(int(rec["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _local_files(local_dir: Path) -> dict[str, int]:
+    out = {}
+    for entry in os.scandir(local_dir):
+        try:
+            if entry.is_file() and TMP_MARKER not in entry.name:
+                out[entry.name] = entry.stat().st_size
+        except FileNotFoundError:
+            continue  # removed while we looked (a temporary renamed into place, a pruned checkpoint)
+    return out
+
+
+def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
+                      s3: S3Options | None = None) -> CheckpointStatus:
+    local_dir = Path(local_dir).absolute()
+    local = _local_files(local_dir)
+    recs = records(local_dir)
+    remote = remote or (recs[0]["remote"] if recs else None)
+    st = CheckpointStatus(name=name, local_dir=local_dir, remote=remote, state="local-only", files=len(local),
+                          bytes=sum(local.values()), uploaded_bytes=0)
+    try:
+        marker = read_marker(local_dir)
+    except VerificationError as exc:
+        marker = None
+        st.problems.append(str(exc))
+    # "ok" / "bad": the remote has a marker whose files match / do not; "absent": no marker there;
+    # "unreachable": the remote could not be asked; None: no remote known.
+    remote_state = None
+    if remote is not None:
+        recs = [r for r in recs if r.get("remote") == remote]  # uploads elsewhere say nothing about this one
+        try:
+            store = open_store(remote, s3)
+            sizes = remote_sizes(store)
+            st.uploaded_bytes = sum(size for n, size in local.items() if sizes.get(n) == size)
+            remote_state = "absent"
+            if MARKER in sizes:
+                files = parse_marker(store.read(MARKER), f"{remote}/{MARKER}")["files"]
+                bad = remote_problems(store, files, sizes)
+                if marker is not None and marker["files"] != files:
+                    bad.insert(0, f"the remote {MARKER} is not this checkpoint's")
+                st.problems += bad
+                remote_state = "bad" if bad else "ok"
+        except LingctlError as exc:
+            remote_state = "unreachable"
+            st.problems.append(f"remote not checked: {exc}")
+    phases = {r.get("phase") for r in recs}
+    failed = [r for r in recs if r.get("phase") == "failed"]
+    dead = [r for r in recs if r.get("phase") == "uploading" and not _alive(r)]
+    if remote_state == "ok" or (remote_state == "unreachable" and phases == {"durable"}):
+        st.state = "durable"
+    elif failed or dead:
+        st.state = "upload-failed"
+        st.problems += [f"upload failed: {r.get('error')}" for r in failed]
+        st.problems += [f"upload stopped before finishing (process {r.get('pid')} is gone)" for r in dead]
+    elif phases & {"uploading", "uploaded"}:
+        st.state = "uploading"
+    elif remote_state == "bad" or (remote_state == "absent" and "durable" in phases):
+        st.state = "upload-failed"
+        if remote_state == "absent":
+            st.problems.append(f"an upload finished, but the remote has no {MARKER} now")
+    elif marker is None:
+        st.state = "incomplete"
+    return st
