@@ -41,16 +41,9 @@ from rich.table import Table
 
 from lingctl.core.errors import UsageError
 from lingctl.core.units import format_size
-from lingctl.pcache.assign import fill, place
-from lingctl.pcache.layout import (
-    DEFAULT_ORDER,
-    OPTIMIZERS,
-    Items,
-    Parallelism,
-    load_model,
-    param_dtype,
-    write_items,
-)
+from lingctl.pcache.assign import Placement, fill, place
+from lingctl.pcache.layout import DEFAULT_ORDER, OPTIMIZERS, Items, Parallelism, param_dtype, write_items
+from lingctl.pcache.model_tensors import load_model
 from lingctl.pcache.topology import Topology, parse_bandwidth, parse_rank_map
 
 log = logging.getLogger(__name__)
@@ -340,6 +333,26 @@ class Comparison:
     write_items: list[dict] | None  # every item with its writers, when asked for
 
 
+def _apply_cuts(chunks: Chunks, placement: Placement) -> tuple[Chunks, np.ndarray]:
+    """The pieces the planner really writes: each chunk less the tail rows its evening-out pass cut off,
+    plus those tails (``place(..., rows=)``), ordered by item and row as ``Chunks`` are."""
+    kept = placement.kept_rows if placement.kept_rows is not None else chunks.rows
+    row_bytes = chunks.sizes // np.maximum(chunks.rows, 1)
+    sizes = np.where(kept == chunks.rows, chunks.sizes, kept * row_bytes)
+    parent, start, rows, writers = [chunks.parent], [chunks.start], [kept], [placement.writers]
+    if placement.cuts:
+        cut = np.asarray(placement.cuts, dtype=np.int64)  # (chunk, first row, rows, writer)
+        parent.append(chunks.parent[cut[:, 0]])
+        start.append(chunks.start[cut[:, 0]] + cut[:, 1])
+        rows.append(cut[:, 2])
+        writers.append(cut[:, 3])
+        sizes = np.concatenate([sizes, cut[:, 2] * row_bytes[cut[:, 0]]])
+    parent_a, start_a = np.concatenate(parent), np.concatenate(start)
+    order = np.lexsort((start_a, parent_a))
+    out = Chunks(parent=parent_a[order], start=start_a[order], rows=np.concatenate(rows)[order], sizes=sizes[order])
+    return out, np.concatenate(writers)[order]
+
+
 def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes: int,
             list_items: bool = False) -> Comparison:
     """The four strategies on ``items``."""
@@ -352,7 +365,8 @@ def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes:
     writers = {"rank0": lowest_writers(items), "dcp": dcp_writers(items)}
     began = time.perf_counter()
     chunks = chunk_items(items, chunk_bytes)
-    placement = place(chunks.sizes, items.groups[chunks.parent], items.holder_sets, topology)
+    placement = place(chunks.sizes, items.groups[chunks.parent], items.holder_sets, topology, rows=chunks.rows)
+    chunks, chunk_writers = _apply_cuts(chunks, placement)
     plan_seconds = time.perf_counter() - began
     log.debug("lingctl plan: %d chunks placed in %.3f s", len(chunks.sizes), plan_seconds)
     lower = bound(items, topology)
@@ -363,8 +377,8 @@ def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes:
         s, rb, rw = _summary(name, w, items.sizes, topology, largest, held_max)
         summaries.append(s)
         per_rank[name] = (rb, rw, largest)
-    staged = np.minimum(_largest(placement.writers, chunks.sizes, world), buffer_bytes)
-    s, rb, rw = _summary("lingctl", placement.writers, chunks.sizes, topology, staged, None)
+    staged = np.minimum(_largest(chunk_writers, chunks.sizes, world), buffer_bytes)
+    s, rb, rw = _summary("lingctl", chunk_writers, chunks.sizes, topology, staged, None)
     summaries.append(s)
     per_rank["lingctl"] = (rb, rw, staged)
     for s in summaries:
@@ -376,8 +390,8 @@ def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes:
                     bytes={k: int(v[0][r]) for k, v in per_rank.items()},
                     writes={k: int(v[1][r]) for k, v in per_rank.items()},
                     staging={k: int(v[2][r]) for k, v in per_rank.items()}) for r in range(world)]
-    listed = _list_items(items, writers, chunks, placement.writers) if list_items else None
-    return Comparison(strategies=summaries, ranks=rows, chunks=chunks, chunk_writers=placement.writers,
+    listed = _list_items(items, writers, chunks, chunk_writers) if list_items else None
+    return Comparison(strategies=summaries, ranks=rows, chunks=chunks, chunk_writers=chunk_writers,
                       plan_seconds=plan_seconds, write_items=listed)
 
 

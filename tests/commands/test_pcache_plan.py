@@ -100,3 +100,29 @@ def test_missing_topology_and_model():
     assert isinstance(result.exception, UsageError) and "--nodes" in str(result.exception)
     result = invoke("plan", "--nodes", "1", "--ranks-per-node", "1")
     assert isinstance(result.exception, UsageError) and "model" in str(result.exception)
+
+
+def test_real_process_errors_and_json(lingctl):
+    """Through ``python -m lingctl``: a bad input is one error line (and a hint) on stderr with exit code 2,
+    never a traceback; a good ``--json`` run prints the plan and lingctl's is within 2% of balanced."""
+    topology = ("--nodes", "2", "--ranks-per-node", "2")
+    bad = [
+        (["--tp", "3", "--model", "tiny"], ["tp 3", "4 ranks"]),
+        (["--node-bandwidth", "1,2,3", "--model", "tiny"], ["3 bandwidth value(s)", "2 node(s)"]),
+    ]
+    for args, words in bad:
+        r = lingctl("pcache", "plan", *topology, *args)
+        assert r.returncode == EXIT_USAGE == 2, r.stderr
+        assert r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+        lines = r.stderr.splitlines()
+        errors = [line for line in lines if line.startswith("lingctl: error:")]
+        assert len(errors) == 1, r.stderr
+        assert all(word in errors[0] for word in words), errors[0]
+        others = [line for line in lines if line not in errors]
+        assert len(others) <= 1 and all(line.startswith("hint:") for line in others), r.stderr
+
+    r = lingctl("pcache", "plan", *topology, "--model", "small", "--json")
+    assert r.returncode == 0, r.stderr
+    strategies = {s["name"]: s for s in json.loads(r.stdout)["strategies"]}
+    assert list(strategies) == ["rank0", "dcp", "lingctl", "bound"]
+    assert strategies["lingctl"]["node_ratio"] <= 1.02

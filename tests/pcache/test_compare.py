@@ -22,7 +22,8 @@ from lingctl.pcache.compare import (
     lowest_writers,
     plan,
 )
-from lingctl.pcache.layout import Items, Parallelism, load_model, write_items
+from lingctl.pcache.layout import Items, Parallelism, write_items
+from lingctl.pcache.model_tensors import load_model
 from lingctl.pcache.topology import Topology
 
 log = logging.getLogger(__name__)

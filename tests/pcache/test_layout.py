@@ -14,7 +14,8 @@ from lingctl.model.checkpoint import save_checkpoint
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset
 from lingctl.model.safetensors_io import write_safetensors
-from lingctl.pcache.layout import Parallelism, _skip_init_mode, ling_tensors, load_model, write_items
+from lingctl.pcache.layout import Parallelism, write_items
+from lingctl.pcache.model_tensors import _skip_init_mode, ling_tensors, load_model
 
 
 def held(items, name: str) -> tuple[int, ...]:
