@@ -34,9 +34,13 @@ class NodeThrottle:
         self.waited_s = 0.0
 
     def consume(self, nbytes: int) -> None:
-        """Account for ``nbytes`` written now; return when the node's pipe would have carried them."""
-        if nbytes <= 0:
-            return
+        """Account for ``nbytes`` written now; return when the pipe has room again (or, with depth 0, when
+        it has carried them)."""
+        if nbytes > 0:
+            self._sleep_until(self.reserve(nbytes) - self.depth_s)
+
+    def reserve(self, nbytes: int) -> float:
+        """Book the next ``nbytes / bandwidth`` of the pipe; return when that interval ends (no waiting)."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             raw = os.pread(self._fd, 8, 0)
@@ -47,7 +51,7 @@ class NodeThrottle:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._last_end = end
-        self._sleep_until(end - self.depth_s)
+        return end
 
     def drain(self) -> None:
         """Wait until every byte this writer accounted for has gone through the pipe (an fsync)."""
@@ -69,3 +73,25 @@ class NodeThrottle:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["path"], state["bytes_per_s"], depth=int(state["depth"]))  # type: ignore[misc]
+
+
+class Throttles:
+    """Pipes a write goes through together, e.g. its node's disk and the rank's own stream (a per-stream
+    limit of a network filesystem or object store): bytes are through when the slowest pipe has carried
+    them."""
+
+    def __init__(self, *pipes: NodeThrottle) -> None:
+        self.pipes = pipes
+
+    def consume(self, nbytes: int) -> None:
+        if nbytes > 0 and self.pipes:
+            ends = [p.reserve(nbytes) - p.depth_s for p in self.pipes]
+            self.pipes[0]._sleep_until(max(ends))
+
+    def drain(self) -> None:
+        for p in self.pipes:
+            p.drain()
+
+    def close(self) -> None:
+        for p in self.pipes:
+            p.close()

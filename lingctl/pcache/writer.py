@@ -41,7 +41,7 @@ from lingctl.core.atomic import atomic_write
 from lingctl.core.checksum import Crc64, crc64_file
 from lingctl.core.errors import UsageError
 from lingctl.pcache.planner import item_bytes
-from lingctl.pcache.throttle import NodeThrottle
+from lingctl.pcache.throttle import NodeThrottle, Throttles
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def sidecar_name(rank: int) -> str:
 class _Sink(io.RawIOBase):
     """The data file as torch.save sees it: counts bytes, updates the CRC and charges the throttle."""
 
-    def __init__(self, f: Any, throttle: NodeThrottle | None) -> None:
+    def __init__(self, f: Any, throttle: NodeThrottle | Throttles | None) -> None:
         super().__init__()
         self.f = f
         self.crc = Crc64()
@@ -134,7 +134,7 @@ class PCacheWriter(FileSystemWriter):
     """Write a DCP checkpoint into ``path`` (one directory per checkpoint)."""
 
     def __init__(self, path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 throttle: NodeThrottle | None = None, sync_files: bool = True,
+                 throttle: NodeThrottle | Throttles | None = None, sync_files: bool = True,
                  extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.buffer = StagingBuffer(buffer_bytes)
