@@ -7,9 +7,13 @@
    ending with a Ling checkpoint in runs/demo-small.
 3. `lingctl babel`: that checkpoint synced to the local S3 server (full CRC verification, config.json
    committed last), listed, and verified again by sampling.
-4. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
+4. `lingctl pcache`: a plan for Ling-plus on 16 nodes x 8 ranks (one node's disk at half speed) compared
+   with rank-0 writers and DCP's default planner; the training state of that checkpoint (written through
+   pcache's planner and writer) uploaded to the S3 server marker last, and `pcache status` before and
+   after.
+5. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
    8-64 tokens) answered by that checkpoint, a few answers shown.
-5. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
+6. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
    verdict) and `timer export` (a Perfetto timeline).
 """
 
@@ -59,10 +63,22 @@ def main() -> None:
                     env=env)
             lingctl("babel", "ls", target, "--recursive", env=env)
             lingctl("babel", "verify", str(checkpoint), target, "--mode", "sampled", env=env)
+            pcache(checkpoint, run, env)
     print("\nthe S3 server is stopped and its files removed.")
     flood(checkpoint, run)
     timer()
     print("\ndemo finished.")
+
+
+def pcache(checkpoint: Path, run: Path, env: dict[str, str]) -> None:
+    """Checkpoint planning for a big job, then the flash tier on the run just trained."""
+    bandwidth = ",".join(["2"] * 15 + ["1"])
+    lingctl("pcache", "plan", "--model", "ling-plus", "--nodes", "16", "--ranks-per-node", "8", "--tp", "8",
+            "--pp", "2", "--ep", "4", "--node-bandwidth", bandwidth)
+    lingctl("pcache", "status", str(run))
+    state = checkpoint / "state"
+    lingctl("pcache", "upload", str(state), "--to", f"s3://demo/runs/{run.name}/{checkpoint.name}/state", env=env)
+    lingctl("pcache", "status", str(state), env=env)
 
 
 def timer() -> None:
