@@ -96,6 +96,9 @@ def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path
     local = cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
     planner = PCacheSavePlanner(topology=topology, ranks_per_node=ranks_per_node, node_bandwidth=node_bandwidth,
                                 chunk_bytes=min(chunk_bytes, buffer_bytes))
+    # A topology that does not fit the job is a usage error on every rank, before anything is written.
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    planner.topology_for(world)
 
     def marker_extra() -> dict[str, Any]:
         plan = planner.summary

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from lingctl.core.errors import UsageError
 from lingctl.pcache.assign import Placement, place, split_rows
 from lingctl.pcache.topology import Topology
 
@@ -99,10 +100,11 @@ class PCacheSavePlanner(DefaultSavePlanner):
         else:
             per_node = self._ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
             if world_size % per_node:
-                raise ValueError(f"{world_size} ranks do not fill nodes of {per_node} ranks each")
+                raise UsageError(f"{world_size} ranks do not fill nodes of {per_node} ranks each",
+                                 hint="give ranks_per_node that divides the world size, or rank_nodes")
             topo = Topology.uniform(world_size // per_node, per_node, self._bandwidth)
         if topo.world_size != world_size:
-            raise ValueError(f"the topology has {topo.world_size} ranks but the checkpoint is saved by {world_size}")
+            raise UsageError(f"the topology has {topo.world_size} ranks but the checkpoint is saved by {world_size}")
         return topo
 
     # -- coordinator ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from lingctl.pcache.throttle import NodeThrottle
 from lingctl.pcache.writer import MARKER, METADATA, PCacheWriter
 from tests.support.dist import run_workers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 CHUNK = 256 << 10
 SHARDED = (4099, 32)  # rows do not divide by 4 or 8: uneven shards
