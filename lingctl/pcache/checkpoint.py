@@ -46,15 +46,6 @@ class SaveResult:
     plan: PlanSummary | None = None  # on the coordinator
 
 
-def cache_path(url: str, cache_dir: Path | str | None) -> Path:
-    """The node-local directory that mirrors the checkpoint at ``url`` (s3://bucket/key -> CACHE/key)."""
-    parsed = parse_url(url)
-    base = Path(cache_dir) if cache_dir is not None else tier.default_cache_dir()
-    if parsed.is_s3:
-        return base / parsed.prefix.strip("/")
-    return base / parsed.path.absolute().relative_to("/")
-
-
 @contextmanager
 def _quiet_single_process() -> Iterator[None]:
     # Without a process group DCP warns on every call that it assumes one process: that is the intent here.
@@ -93,7 +84,7 @@ def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path
     start = time.monotonic()
     url = str(destination)
     remote = url if parse_url(url).is_s3 or cache_dir is not None else None
-    local = cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
+    local = tier.cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
     planner = PCacheSavePlanner(topology=topology, ranks_per_node=ranks_per_node, node_bandwidth=node_bandwidth,
                                 chunk_bytes=min(chunk_bytes, buffer_bytes))
     # A topology that does not fit the job is a usage error on every rank, before anything is written.
@@ -134,7 +125,7 @@ def load(state_dict: dict[str, Any], source: str | Path, *, cache_dir: Path | st
     url = str(source)
     parsed = parse_url(url)
     if parsed.is_s3:
-        local = cache_path(url, cache_dir)
+        local = tier.cache_path(url, cache_dir)
         multi = dist.is_available() and dist.is_initialized()
         if not multi or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
             tier.resolve_for_read(url, cache_dir=local, s3=s3, exact=True)

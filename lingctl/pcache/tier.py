@@ -46,8 +46,8 @@ from lingctl.pcache.tier_status import (
     state_dir,
 )
 
-__all__ = ["MARKER", "UploadResult", "Uploader", "fetch", "read_marker", "recorded_remote", "resolve_for_read",
-           "upload", "verify_local"]
+__all__ = ["MARKER", "UploadResult", "Uploader", "cache_path", "fetch", "read_marker", "recorded_remote",
+           "resolve_for_read", "upload", "verify_local"]
 
 log = logging.getLogger(__name__)
 
@@ -412,11 +412,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "pcache"
 
 
+def cache_path(url: str, cache_dir: Path | str | None) -> Path:
+    """The node-local directory that mirrors the checkpoint at ``url``: ``s3://bucket/key`` ->
+    ``CACHE/bucket/key``; a path (a shared filesystem) -> ``CACHE/<the path without its leading />``."""
+    parsed = parse_url(url)
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if parsed.is_s3:
+        return base / parsed.bucket / parsed.prefix.strip("/")
+    return base / parsed.path.absolute().relative_to("/")
+
+
 def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None = None,
                      exact: bool = False) -> Path:
     """The local directory to read the checkpoint at ``url`` from.
 
-    A local path is read in place (it must hold its marker). For s3:// the copy at ``cache_dir/<key path>``
+    A local path is read in place (it must hold its marker). For s3:// the copy at ``cache_path(url, cache_dir)``
     (``exact``: at ``cache_dir`` itself) is used when it is complete and verifies against its own marker (no
     request to the remote); otherwise the missing or damaged files are fetched into it. ``cache_dir`` None:
     ``$LINGCTL_CACHE_DIR/pcache``.
@@ -432,8 +442,7 @@ def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None =
         return path
     if not parsed.prefix:
         raise UsageError(f"{url} names a bucket, not a checkpoint", hint="give s3://bucket/path/to/checkpoint")
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    local = base if exact else base / parsed.prefix
+    local = Path(cache_dir) if exact and cache_dir is not None else cache_path(url, cache_dir)
     try:
         problems = verify_local(local) if local.is_dir() else ["no local copy"]
     except VerificationError as exc:  # a damaged marker: the fetch below replaces it

@@ -208,7 +208,7 @@ def test_interrupted_upload_resumes(tmp_path, s3_bucket):
 @pytest.mark.slow
 def test_resolve_for_read_prefers_verified_local_copy(tmp_path, s3_bucket, caplog):
     cache = tmp_path / "cache"
-    d = cache / "run" / "step-1"
+    d = cache / s3_bucket / "run" / "step-1"
     files = make_checkpoint(d, ranks=2)
     url = f"s3://{s3_bucket}/run/step-1"
     upload(d, url)
