@@ -1,8 +1,10 @@
-"""`lingctl train`: train a Ling MoE on one process; a thin wrapper over lingctl.train.run."""
+"""`lingctl train`: train a Ling MoE on one process or several workers; a thin wrapper over lingctl.train.run."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -45,6 +47,22 @@ def train(
     dispatch: Annotated[str | None, typer.Option("--dispatch", help="MoE dispatch: naive, sorted, grouped.")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Steps between evals (0: only at the end).")] = None,
     save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints (0: only at the end).")] = None,
+    nproc: Annotated[int, typer.Option(
+        "--nproc", min=1, help="Workers on this machine, started by torch.distributed.run (torchrun); on many "
+                               "machines run 'torchrun ... -m lingctl train' instead.")] = 1,
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", min=0, help="With --nproc: restart all workers from the last checkpoint this many times "
+                                      "after one fails.")] = 0,
+    sync: Annotated[str | None, typer.Option(
+        "--sync", help="With several workers: ddp (synchronous) or edit (EDiT local SGD).")] = None,
+    sync_every: Annotated[int | None, typer.Option("--sync-every", help="edit: local steps between syncs.")] = None,
+    sync_every_seconds: Annotated[float | None, typer.Option(
+        "--sync-every-seconds", help="edit: sync by time instead; faster workers take more local steps.")] = None,
+    simulate_slow_rank: Annotated[int | None, typer.Option(
+        "--simulate-slow-rank", help="Fault drill: this worker runs --slowdown times slower.")] = None,
+    slowdown: Annotated[float | None, typer.Option("--slowdown", help="Fault drill: how much slower.")] = None,
+    simulate_bad_rank: Annotated[int | None, typer.Option(
+        "--simulate-bad-rank", help="Fault drill: this worker's update is corrupted (x100).")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")] = None,
     settings: Annotated[list[str] | None, typer.Option(
         "--set", metavar="KEY=VALUE", help="Any setting, e.g. moe.balance_coef=0.02 or model.num_hidden_layers=2.")] = None,
@@ -54,7 +72,7 @@ def train(
     path_style: PathStyleOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Train a Ling-style MoE (fine-grained + shared experts, dropless routing) on this machine.
+    """Train a Ling-style MoE (fine-grained + shared experts, dropless routing), on one process or several workers.
 
     Balance and z-loss, stochastic routing warmup, NormHead and a loss-spike guard are on by default.
     Checkpoints are Ling checkpoint directories (config.json + safetensors) that flood and Hugging Face
@@ -62,13 +80,23 @@ def train(
 
     Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits 130; --resume continues exactly.
     """
+    if nproc > 1 and "RANK" not in os.environ:
+        from lingctl.train.workers import launch
+
+        raise typer.Exit(launch(nproc, max_restarts, sys.argv[1:]))
     from lingctl.train.run import train as run_training  # torch loads only when training
 
-    out_ = Output(json)
+    # Several workers: rank 0 speaks for the job; the others print only their errors (lingctl.cli does).
+    if os.environ.get("RANK", "0") == "0":
+        out_ = Output(json)
+    else:
+        out_ = Output(json, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
     overrides: dict[str, Any] = {
         "preset": preset, "data.paths": data or None, "steps": steps, "max_seconds": max_seconds,
         "batch_size": batch_size, "seq_len": seq_len, "optim.lr": lr, "seed": seed, "data.tokenizer": tokenizer,
         "dtype": dtype, "dispatch": dispatch, "eval_every": eval_every, "save_every": save_every,
+        "sync": sync, "sync_every": sync_every, "sync_every_seconds": sync_every_seconds,
+        "simulate_slow_rank": simulate_slow_rank, "slowdown": slowdown, "simulate_bad_rank": simulate_bad_rank,
     }
     for item in settings or []:
         key, value = parse_override(item)

@@ -13,6 +13,7 @@ from lingctl.core.config import from_mapping
 from lingctl.core.errors import UsageError
 from lingctl.model.config import LingConfig
 from lingctl.model.presets import preset
+from lingctl.train.edit import EditConfig
 from lingctl.train.spike import SpikeConfig
 
 
@@ -74,8 +75,21 @@ class TrainConfig:
     inject_spikes: list[int] = field(default_factory=list)
     inject_spike_factor: float = 10.0
     # Fault drill: the process kills itself (SIGKILL) right after this step, before any later checkpoint.
-    # Not inherited by a resumed run.
+    # Not inherited by a resumed run. With several workers, only worker `crash_rank` does.
     crash_at_step: int | None = None
+    crash_rank: int = 0
+    # Several workers (--nproc N, or torchrun): "ddp" = synchronous data parallel (DistributedDataParallel);
+    # "edit" = EDiT local SGD: local AdamW steps, a penalised pseudo-gradient average every sync.
+    sync: Literal["ddp", "edit"] = "ddp"
+    sync_every: int = 10  # edit: local steps between syncs
+    sync_every_seconds: float | None = None  # edit: sync by time instead; faster workers take more steps
+    edit_warmup_steps: int = 0  # edit: synchronous steps (gradients averaged) before local SGD starts
+    edit: EditConfig = field(default_factory=EditConfig)
+    # Fault drills: worker `simulate_slow_rank` runs `slowdown` times slower (it sleeps after each step);
+    # worker `simulate_bad_rank` sends a corrupted update (pseudo-gradient or gradient x100).
+    simulate_slow_rank: int | None = None
+    slowdown: float = 1.0
+    simulate_bad_rank: int | None = None
 
     def validate(self) -> None:
         for name in ("steps", "eval_batches", "keep_checkpoints", "batch_start"):
@@ -94,8 +108,19 @@ class TrainConfig:
             raise UsageError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
         try:
             self.spike.validate()
+            self.edit.validate()
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if self.sync not in ("ddp", "edit"):
+            raise UsageError(f"sync must be ddp or edit, got {self.sync!r}")
+        if self.sync_every < 1:
+            raise UsageError(f"sync_every must be at least 1, got {self.sync_every}")
+        if self.sync_every_seconds is not None and not self.sync_every_seconds > 0:
+            raise UsageError(f"sync_every_seconds must be positive, got {self.sync_every_seconds}")
+        if self.edit_warmup_steps < 0:
+            raise UsageError(f"edit_warmup_steps must be >= 0, got {self.edit_warmup_steps}")
+        if self.slowdown < 1:
+            raise UsageError(f"slowdown must be at least 1, got {self.slowdown}")
         preset(self.preset)  # unknown preset: one line with the choices
 
 

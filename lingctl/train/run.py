@@ -11,18 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.config import build, from_mapping, load_toml
-from lingctl.core.errors import UsageError
+from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.storage import S3Options
 from lingctl.train.config import TrainConfig
 from lingctl.train.rundir import RunDir
+from lingctl.train.local_sgd import LocalSgdTrainer
 from lingctl.train.trainer import CONFIG_FILE, Record, Trainer, TrainResult
+from lingctl.train.workers import start as start_workers
+from lingctl.train.workers import stop as stop_workers
 
 log = logging.getLogger(__name__)
 
 # Settings a resumed run may change; everything else must match the run's saved config, or the resumed
 # run would silently be a different experiment (the loss sequence would no longer continue).
 RESUMABLE_CHANGES = frozenset({"steps", "max_seconds", "eval_every", "eval_batches", "save_every",
-                               "keep_checkpoints", "inject_spikes", "inject_spike_factor", "crash_at_step"})
+                               "keep_checkpoints", "inject_spikes", "inject_spike_factor", "crash_at_step",
+                               "crash_rank", "simulate_slow_rank", "slowdown", "simulate_bad_rank"})
 
 
 def default_out(preset: str) -> str:
@@ -76,8 +80,13 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
     if config_file is not None:
         # Settings from the file were asked for as much as flags were.
         explicit = {**_flatten(load_toml(config_file, "train")), **explicit}
+    workers = start_workers()
+    # A worker the elastic launcher restarted after a failure continues the run from its last checkpoint.
+    resume = resume or workers.restarts > 0
     if resume and out is None:
         raise UsageError("--resume needs --out: the run directory to continue")
+    if workers.distributed and out is None:
+        out = workers.broadcast(default_out(requested.preset))  # one directory for all workers
     run = RunDir(out or default_out(requested.preset), s3, cache_dir=cache_dir)
     config = requested
     latest = run.latest() if resume else None
@@ -85,8 +94,20 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
         log.warning("no checkpoint in %s yet; starting from step 0", run.describe())
     if latest is not None:
         config = resume_config(_saved_config(run, latest), requested, explicit)
-    trainer = Trainer(config, run, resume=latest is not None, restart=resume, on_record=on_record)
-    trainer.setup()
-    if on_start is not None:
-        on_start(trainer)
-    return trainer.train()
+    if workers.restarts > 0:
+        config.crash_at_step = None  # a drill fires in the first attempt only, or a restart would repeat it
+    kind = LocalSgdTrainer if workers.distributed and config.sync == "edit" else Trainer
+    trainer = kind(config, run, resume=latest is not None, restart=resume, on_record=on_record, workers=workers)
+    try:
+        trainer.setup()
+        if on_start is not None:
+            on_start(trainer)
+        return trainer.train()
+    except RuntimeError as exc:
+        if workers.distributed and "closed by peer" in str(exc).lower() or "connection reset" in str(exc).lower():
+            raise LingctlError(f"worker {workers.rank}: another worker stopped during a collective",
+                               hint="its own error is above; with --max-restarts the job restarts from the "
+                                    "last checkpoint") from None
+        raise
+    finally:
+        stop_workers(workers)

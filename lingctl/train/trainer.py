@@ -1,4 +1,5 @@
-"""The single-process training loop: data, model, AdamW, MoE losses, spike guard, eval and checkpoints.
+"""The training loop: data, model, AdamW, MoE losses, spike guard, eval and checkpoints; one worker, or
+several taking synchronous steps through DistributedDataParallel (local SGD is ``local_sgd.py``).
 
 Every source of randomness is either a pure function of (seed, step) (batch order, routing-warmup noise,
 schedules) or saved in the checkpoint (optimizer, spike guard, router statistics, torch RNG), so a resumed
@@ -36,6 +37,7 @@ from lingctl.train.dataset import PreparedData, prepare_data
 from lingctl.train.rundir import METRICS, STATE_DIR, TOKENIZER, RunDir, checkpoint_name
 from lingctl.train.spike import SpikeGuard
 from lingctl.train.tokenizer import save_tokenizer
+from lingctl.train.workers import Workers, strided_rows
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,12 @@ class _Position:
 
 class Trainer:
     def __init__(self, config: TrainConfig, run: RunDir, *, resume: bool = False, restart: bool = False,
-                 on_record: Callable[[Record], None] | None = None) -> None:
+                 on_record: Callable[[Record], None] | None = None, workers: Workers | None = None) -> None:
         """``resume``: continue from the run's committed checkpoint. ``restart``: the run directory may hold
-        a run that never reached a checkpoint; start it over (otherwise an existing run is refused)."""
+        a run that never reached a checkpoint; start it over (otherwise an existing run is refused).
+        ``workers``: this process's place among several (one worker when None)."""
         self.config = config
+        self.workers = workers or Workers()
         self.run = run
         self.resume = resume
         self.restart = restart
@@ -102,19 +106,27 @@ class Trainer:
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
         c = self.config
+        w = self.workers
         latest = self.run.latest() if self.resume else None
         if latest is not None:
-            self.run.fetch_for_resume(latest)
+            if w.local_rank == 0:  # one copy per node
+                self.run.fetch_for_resume(latest)
+            w.barrier()
         elif self.run.has_content() and not self.restart:
             raise UsageError(f"{self.run.describe()} already holds a training run",
                              hint="pass --resume to continue it, or choose another --out")
         tokenizer_path = self.run.local / TOKENIZER if latest is not None else None
+        if latest is None and not w.is_main:
+            # Workers use rank 0's tokenizer, sent over the process group: no shared directory is needed.
+            tokenizer_path = self._received_tokenizer(w.broadcast(None))
         self.data: PreparedData = prepare_data(c, self.res, tokenizer_path=tokenizer_path)
-        if latest is None:
+        if latest is None and w.is_main:
             # Only now that the data is usable: a bad --data leaves no empty run directory behind.
             self.run.prepare_fresh()
             save_tokenizer(self.data.tokenizer, self.run.local / TOKENIZER)
             self.run.publish([TOKENIZER])
+            w.broadcast(self.data.tokenizer.to_str())
+        w.barrier()
         self.order = BatchOrder(len(self.data.tokens.train), c.seed)
         torch.manual_seed(c.seed)
         self.model = LingForCausalLM(self.data.model_config, c.dispatch)
@@ -125,11 +137,31 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.res.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.metrics_path = self.run.local / METRICS
+        # Metrics are written by rank 0; the other workers' records go nowhere (their figures reach rank 0
+        # through the sync records).
+        self.metrics_path = self.run.local / METRICS if self.workers.is_main else None
         if latest is not None:
             self._load_state(latest)
-        else:
+        elif self.metrics_path is not None:
             self.metrics_path.write_text("")
+        self.wrapped = self._wrap(self.model)
+
+    def _wrap(self, model: LingForCausalLM) -> torch.nn.Module:
+        """What the forward runs through: DistributedDataParallel with several synchronous workers."""
+        if not self.workers.distributed or self.config.sync != "ddp":
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Experts no token was routed to in a step get no gradient: DDP must look for unused parameters.
+        return DistributedDataParallel(model, find_unused_parameters=True)
+
+    def _received_tokenizer(self, text: str) -> Any:
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="lingctl-tokenizer-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return name
 
     def _load_state(self, latest: dict[str, Any]) -> None:
         ckpt = self.run.local / latest["path"]
@@ -154,18 +186,26 @@ class Trainer:
         self.position = _Position(state["cursor"], [_Retry(**r) for r in state["retries"]])
         self.elapsed_before = state["elapsed_s"]
         self.resumed_from = self.step
-        self._truncate_metrics(self.step)
+        if self.metrics_path is not None:
+            self._truncate_metrics(self.step)
         log.info("resumed %s at step %d", self.run.describe(), self.step)
 
     def _load_pcache_state(self, directory: Any) -> dict[str, Any]:
         """Model and optimizer from the run's pcache checkpoint; returns the rest of the training state."""
+        saved = json.loads((directory / "pcache.json").read_text()).get("world_size", 1)
+        if saved != self.workers.world:
+            raise UsageError(f"the run was checkpointed by {saved} worker(s); this job has {self.workers.world}",
+                             hint=f"resume with --nproc {saved}")
+        train_key, optim_key = self._keys()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        template = {"model": model_sd, "optimizer": optim_sd, "train": {"meta": "", "rng": torch.get_rng_state()}}
+        template = {"model": model_sd, optim_key: optim_sd, train_key: {"meta": "", "rng": torch.get_rng_state()},
+                    **self._extra_state()}
         pcache_load(template, directory)
         set_state_dict(self.model, self.optimizer, model_state_dict=template["model"],
-                       optim_state_dict=template["optimizer"])
-        state = json.loads(template["train"]["meta"])
-        state["rng"] = template["train"]["rng"]
+                       optim_state_dict=template[optim_key])
+        self._load_extra_state(template)
+        state = json.loads(template[train_key]["meta"])
+        state["rng"] = template[train_key]["rng"]
         return state
 
     def _truncate_metrics(self, step: int) -> None:
@@ -194,21 +234,17 @@ class Trainer:
         stopped = "completed"
         if self.step >= c.steps:  # resumed a finished run: nothing to do, nothing to rewrite
             return self._result(None, None, None, checkpoint_name(self.step), start, stopped)
-        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8") if self.metrics_path else None
         try:
             while self.step < c.steps:
-                if self.stop_requested:
-                    stopped = "interrupted"
-                    break
-                if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds:
-                    stopped = "time limit"
+                stop = self._agreed_stop(start)
+                if stop:
+                    stopped = stop
                     break
                 record = self._attempt()
                 if record is None:
                     continue
-                if c.crash_at_step == self.step:
-                    self._metrics.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                self._drills(record)
                 first_loss = record["loss"] if first_loss is None else first_loss
                 last_loss = record["loss"]
                 if c.eval_every and self.step % c.eval_every == 0:
@@ -220,10 +256,40 @@ class Trainer:
             if self.step > 0 and (checkpoint is None or not checkpoint.endswith(f"{self.step:08d}")):
                 checkpoint = self._save(start)
         finally:
-            self._metrics.close()
-            self.run.wait_uploads()
-            self.run.publish([METRICS])
+            if self._metrics is not None:
+                self._metrics.close()
+            if self.workers.is_main:
+                self.run.wait_uploads()
+                self.run.publish([METRICS])
         return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _synchronous(self) -> bool:
+        """Do workers take this step together (and so must agree on skipping it)?"""
+        return self.workers.distributed and self.config.sync == "ddp"
+
+    def _after_backward(self) -> None:
+        """Gradients are complete here; DDP has averaged them already."""
+
+    def _agreed_stop(self, start: float) -> str | None:
+        """Why to stop before the next step, the same on every worker (one tiny all-reduce when several)."""
+        c = self.config
+        interrupted = self.workers.any(self.stop_requested)
+        if interrupted:
+            return "interrupted"
+        out_of_time = c.max_seconds is not None and time.monotonic() - start >= c.max_seconds
+        if self.workers.any(out_of_time):
+            return "time limit"
+        return None
+
+    def _drills(self, record: Record) -> None:
+        """Fault drills: a worker that dies (SIGKILL) right after a step, a worker that runs slower."""
+        c = self.config
+        if c.crash_at_step == self.step and self.workers.rank == c.crash_rank:
+            if self._metrics is not None:
+                self._metrics.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.workers.rank == c.simulate_slow_rank and c.slowdown > 1:
+            time.sleep(record["step_s"] * (c.slowdown - 1))
 
     def _result(self, first_loss: float | None, last_loss: float | None, eval_loss: float | None,
                 checkpoint: str | None, start: float, stopped: str) -> TrainResult:
@@ -245,7 +311,7 @@ class Trainer:
             return r.rows, r.tries
         n = schedule.batch_size(self.step, target=self.res.batch_size, start=self.config.batch_start,
                                 warmup_steps=self.config.batch_warmup_steps)
-        rows = self.order.indices(self.position.cursor, n).tolist()
+        rows = strided_rows(self.order.indices, self.position.cursor, n, self.workers.rank, self.workers.world)
         self.position.cursor += n
         return rows, 0
 
@@ -267,7 +333,7 @@ class Trainer:
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         c = self.config
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.dtype == "bfloat16"):
-            out = self.model(inputs)
+            out = self.wrapped(inputs)
             logits = out.logits.float()
         lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         cfg = self.model.config
@@ -291,11 +357,15 @@ class Trainer:
         loss = parts["loss"]
         if self.attempt in c.inject_spikes:
             loss = loss * c.inject_spike_factor
-        loss_value = float(loss.detach())
+        if self.workers.rank == c.simulate_bad_rank and c.sync == "ddp":
+            loss = loss * 100.0  # fault drill: this worker's gradient is 100 times too large
+        # Synchronous workers decide on the mean loss, so all of them skip or apply the same steps.
+        loss_value = self.workers.mean(float(loss.detach())) if self._synchronous() else float(loss.detach())
         grad_norm = float("nan")
         verdict = self.guard.check_loss(loss_value)
         if not verdict.spike:
             loss.backward()
+            self._after_backward()
             clip = c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
             verdict = self.guard.check_grad(grad_norm)
@@ -309,7 +379,8 @@ class Trainer:
         self.guard.accept(loss_value, grad_norm)
         self.step += 1
         self.attempt += 1
-        n_tokens = inputs.numel()
+        # A synchronous step consumed every worker's batch; a local step only this worker's.
+        n_tokens = inputs.numel() * (self.workers.world if self._synchronous() else 1)
         self.tokens += n_tokens
         dt = time.monotonic() - t0
         record: Record = {
@@ -345,7 +416,7 @@ class Trainer:
     @torch.no_grad()
     def _eval(self) -> float | None:
         data = self.data.tokens.eval
-        if len(data) == 0:
+        if len(data) == 0 or not self.workers.is_main:  # workers hold the same model here: rank 0 evaluates
             return None
         n = min(len(data), self.config.eval_batches * self.res.batch_size)
         self.model.eval()
@@ -364,10 +435,16 @@ class Trainer:
         self._emit({"event": "eval", "step": self.step, "eval_loss": round(value, 6)})
         return value
 
+    def checkpoint_step(self) -> int:
+        """The step a checkpoint is named after: optimizer steps here; synchronous-step equivalents when
+        workers step on their own."""
+        return self.step
+
     def _save(self, start: float) -> str:
-        rel = checkpoint_name(self.step)
+        rel = checkpoint_name(self.checkpoint_step())
         directory = self.run.local / rel
-        save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
+        if self.workers.is_main:
+            save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
         meta = {
             "step": self.step, "attempt": self.attempt, "tokens": self.tokens,
             "cursor": self.position.cursor,
@@ -377,24 +454,45 @@ class Trainer:
             "fingerprint": self.data.fingerprint,
             "elapsed_s": self.elapsed_before + time.monotonic() - start,
         }
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         # Model, optimizer and position in one pcache checkpoint: planned across ranks, streamed through a
         # bounded buffer, committed by its marker; the HF-format files beside it are what flood loads.
-        pcache_save({"model": model_sd, "optimizer": optim_sd,
-                     "train": {"meta": json.dumps(meta), "rng": torch.get_rng_state()}},
-                    directory / STATE_DIR, extra={"step": self.step})
-        with atomic_write(directory / CONFIG_FILE) as (_, f):
-            f.write(json.dumps(to_dict(self.config), indent=2).encode())
-        self._metrics.flush()
-        files = sorted(p.relative_to(self.run.local).as_posix() for p in directory.iterdir() if p.is_file())
-        # Weights first, config.json last: a half-uploaded checkpoint has no config.
-        files.sort(key=lambda name: name.endswith("/config.json"))
-        self.run.publish_checkpoint(self.step, rel, files + [METRICS])
-        self.run.prune(self.config.keep_checkpoints, rel)
-        self._emit({"event": "checkpoint", "step": self.step, "path": f"{self.run.describe()}/{rel}"})
+        pcache_save(self._state(meta), directory / STATE_DIR, extra={"step": self.step})
+        if self.workers.is_main:
+            with atomic_write(directory / CONFIG_FILE) as (_, f):
+                f.write(json.dumps(to_dict(self.config), indent=2).encode())
+            if self._metrics is not None:
+                self._metrics.flush()
+            files = sorted(p.relative_to(self.run.local).as_posix() for p in directory.iterdir() if p.is_file())
+            # Weights first, config.json last: a half-uploaded checkpoint has no config.
+            files.sort(key=lambda name: name.endswith("/config.json"))
+            self.run.publish_checkpoint(self.checkpoint_step(), rel, files + [METRICS])
+            self.run.prune(self.config.keep_checkpoints, rel)
+        self.workers.barrier()
+        self._emit({"event": "checkpoint", "step": self.checkpoint_step(), "path": f"{self.run.describe()}/{rel}"})
         return rel
 
+    def _keys(self) -> tuple[str, str]:
+        """State-dict keys of what differs between workers: DCP writes one copy of a key that every rank
+        holds, so a worker's own position (and, with local SGD, its own optimizer) gets a key of its own."""
+        w = self.workers
+        own = "" if w.world == 1 else f".rank{w.rank}"
+        return "train" + own, "optimizer" + (own if self.config.sync != "ddp" else "")
+
+    def _state(self, meta: dict[str, Any]) -> dict[str, Any]:
+        train_key, optim_key = self._keys()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, optim_key: optim_sd,
+                train_key: {"meta": json.dumps(meta), "rng": torch.get_rng_state()}, **self._extra_state()}
+
+    def _extra_state(self) -> dict[str, Any]:
+        """What a training mode adds to the checkpoint (the local-SGD outer optimizer)."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
     def _emit(self, record: Record) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
         self.on_record(record)

@@ -1,0 +1,218 @@
+"""Training on several workers with EDiT local SGD (Ling technical report §2.2).
+
+Each worker takes local AdamW steps on its own data. At a sync the workers' pseudo-gradients (parameters at
+the last sync minus now) are combined, with penalties against a noisy worker, and an outer Nesterov SGD
+step moves every worker to the same new parameters (``edit.EditSynchronizer``). Normally the sync happens
+layer by layer during the forward of the step that follows, each layer's collective prefetched while the
+layer before it computes; a sync that ends in a checkpoint, an eval or the end of the run is done whole at
+a step boundary, so that what is saved or evaluated is the synced model.
+
+When to sync: every ``sync_every`` local steps, or, with ``sync_every_seconds``, once that much time has
+passed since the last sync ended. Workers leave a sync together, so their clocks agree on the period to
+within a step; a faster worker simply takes more local steps in it instead of waiting for a straggler.
+
+Budget: ``--steps N`` is N synchronous steps' worth of tokens, N x workers local steps in all. Workers learn
+the total at each sync (one small all-gather of counters and flags); the period is shortened as the end
+nears so the run stops close to the budget, and stop requests and time limits are honoured at syncs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lingctl.train.edit import EditSynchronizer
+from lingctl.train.trainer import Record, Trainer, TrainResult
+
+_STEPS, _STOP, _OUT_OF_TIME, _SYNC_S, _SINCE = range(5)
+
+
+class LocalSgdTrainer(Trainer):
+    def setup(self) -> None:
+        self.global_steps = 0  # local steps of all workers together, as of the last sync
+        self.syncs = 0
+        self.since_sync = 0
+        self.warmup_left = self.config.edit_warmup_steps
+        super().setup()
+        c, w = self.config, self.workers
+        self.sync = EditSynchronizer(self._units(), c.edit,
+                                     delta_scale=100.0 if w.rank == c.simulate_bad_rank else 1.0)
+        if self._edit_state is not None:
+            self.sync.load_state_dict(self._edit_state)
+        else:
+            self.sync.reset_anchor()
+        self.budget = c.steps * w.world
+        self.period_s = c.sync_every_seconds
+        self.period_steps = c.sync_every
+
+    def _units(self) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+        """Sync units in forward order: embeddings, each layer, then final norm + head (synced when the final
+        norm is about to run)."""
+        m = self.model
+        units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = [
+            (m.model.word_embeddings, [m.model.word_embeddings.weight])]
+        units += [(layer, list(layer.parameters())) for layer in m.model.layers]
+        last = [m.model.norm.weight]
+        if m.lm_head.weight is not m.model.word_embeddings.weight:
+            last.append(m.lm_head.weight)
+        units.append((m.model.norm, last))
+        return units
+
+    # -- state ----------------------------------------------------------------------------------------
+    _edit_state: dict[str, Any] | None = None
+
+    def _extra_state(self) -> dict[str, Any]:
+        sync = getattr(self, "sync", None)
+        if sync is not None:
+            return {"edit": sync.state_dict(), "progress": torch.tensor([self.global_steps, self.syncs])}
+        # Before the synchronizer exists (loading): a template of the right shape to load into.
+        template = EditSynchronizer(self._units(), self.config.edit).state_dict()
+        return {"edit": template, "progress": torch.zeros(2, dtype=torch.int64)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._edit_state = state["edit"]
+        self.global_steps, self.syncs = (int(x) for x in state["progress"].tolist())
+        self.warmup_left = max(0, self.config.edit_warmup_steps - self.global_steps // self.workers.world)
+
+    # -- synchronous warm-up -------------------------------------------------------------------------
+    def _synchronous(self) -> bool:
+        return self.warmup_left > 0
+
+    def _after_backward(self) -> None:
+        if self.warmup_left > 0:  # plain data-parallel steps: average the gradients
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= self.workers.world
+
+    # -- schedules by global progress ----------------------------------------------------------------
+    def _lr(self) -> float:
+        saved, self.step = self.step, self.global_steps // self.workers.world + self.since_sync
+        try:
+            return super()._lr()
+        finally:
+            self.step = saved
+
+    def checkpoint_step(self) -> int:
+        return self.global_steps // self.workers.world
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        c = self.config
+        start = time.monotonic()
+        first_loss = last_loss = eval_loss = None
+        checkpoint: str | None = None
+        stopped = "completed"
+        if self.global_steps >= self.budget:
+            return self._result(None, None, None, None, start, stopped)
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8") if self.metrics_path else None
+        self.last_sync_end = time.monotonic()
+        last_sync_s = 0.0
+        armed = False
+        try:
+            while True:
+                if self.warmup_left == 0 and self._sync_due():
+                    counters = self.workers.gather([
+                        float(self.step), 1.0 if self.stop_requested else 0.0,
+                        1.0 if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds else 0.0,
+                        last_sync_s, float(self.since_sync)])
+                    before = self.global_steps
+                    self.global_steps = int(counters[:, _STEPS].sum())
+                    progress = self.global_steps // self.workers.world
+                    final = (self.global_steps >= self.budget or counters[:, _STOP].any()
+                             or counters[:, _OUT_OF_TIME].any())
+                    eval_due = bool(c.eval_every) and progress // c.eval_every > (before // self.workers.world) // c.eval_every
+                    save_due = bool(c.save_every) and progress // c.save_every > (before // self.workers.world) // c.save_every
+                    t0 = time.monotonic()
+                    if final or eval_due or save_due or not c.edit.layerwise:
+                        self.sync.sync_now()
+                        last_sync_s = time.monotonic() - t0
+                        self._sync_record(counters, "whole")
+                    else:
+                        self.sync.arm()
+                        armed = True
+                    self.syncs += 1
+                    self._plan_next_period(counters)
+                    if not armed:
+                        if eval_due or final:
+                            eval_loss = self._eval()
+                        if save_due or final:
+                            checkpoint = self._save(start)
+                        if final:
+                            stopped = ("interrupted" if counters[:, _STOP].any() else
+                                       "time limit" if counters[:, _OUT_OF_TIME].any() and
+                                       self.global_steps < self.budget else "completed")
+                            break
+                    self.since_sync = 0
+                    self.last_sync_end = time.monotonic()
+                record = self._attempt()
+                if armed:
+                    self.sync.finish()
+                    last_sync_s = self.sync.last.wait_s
+                    self._sync_record(counters, "layerwise")
+                    armed = False
+                if record is None:
+                    continue
+                if self.warmup_left > 0:  # a synchronous step: every worker took it
+                    self.warmup_left -= 1
+                    self.global_steps += self.workers.world
+                    if self.warmup_left == 0:
+                        self.sync.reset_anchor()  # local SGD starts from the replicas' common parameters
+                        self.last_sync_end = time.monotonic()
+                else:
+                    self.since_sync += 1
+                self._drills(record)
+                first_loss = record["loss"] if first_loss is None else first_loss
+                last_loss = record["loss"]
+        finally:
+            if self._metrics is not None:
+                self._metrics.close()
+            if self.workers.is_main:
+                self.run.wait_uploads()
+                self.run.publish(["metrics.jsonl"])
+        return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _sync_due(self) -> bool:
+        if self.global_steps >= self.budget:  # the warm-up alone used the budget
+            return True
+        if self.since_sync == 0:
+            return False
+        if self.period_s is not None:
+            return time.monotonic() - self.last_sync_end >= self.period_s
+        return self.since_sync >= self.period_steps
+
+    def _plan_next_period(self, counters: Any) -> None:
+        """Shorten the next period when the budget would run out inside it."""
+        c = self.config
+        left = self.budget - self.global_steps
+        if left <= 0:
+            return
+        if c.sync_every_seconds is None:
+            self.period_steps = max(1, min(c.sync_every, math.ceil(left / self.workers.world)))
+            return
+        took = float(counters[:, _SINCE].sum())
+        elapsed = max(time.monotonic() - self.last_sync_end, 1e-3)
+        rate = took / elapsed if took else 0.0  # local steps per second, all workers together
+        self.period_s = c.sync_every_seconds if rate <= 0 else max(1e-3, min(c.sync_every_seconds, left / rate))
+
+    def _sync_record(self, counters: Any, how: str) -> None:
+        stats = self.sync.last
+        record: Record = {
+            "event": "sync", "sync": stats.sync,
+            "step": self.global_steps // self.workers.world, "how": how,
+            "local_steps": [int(x) for x in counters[:, _SINCE]],
+            "total_local_steps": self.global_steps,
+            "previous_sync_s": [round(float(x), 4) for x in counters[:, _SYNC_S]],
+            **stats.to_record(),
+        }
+        self._emit(record)
+
+    def _result(self, first_loss: float | None, last_loss: float | None, eval_loss: float | None,
+                checkpoint: str | None, start: float, stopped: str) -> TrainResult:
+        result = super()._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+        result.steps = self.global_steps // self.workers.world
+        return result

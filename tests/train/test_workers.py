@@ -1,0 +1,40 @@
+"""Pieces of the several-worker setup that need no process group: data striding and the launch line."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from lingctl.core.errors import UsageError
+from lingctl.train.data import BatchOrder
+from lingctl.train.workers import launch_argv, strided_rows, worker_args
+
+
+def test_workers_read_disjoint_rows_that_together_are_the_global_order() -> None:
+    order = BatchOrder(1000, seed=3)
+    world, per_step = 3, 8
+    seen: list[list[int]] = []
+    for rank in range(world):
+        rows: list[int] = []
+        for step in range(10):
+            rows += strided_rows(order.indices, step * per_step, per_step, rank, world)
+        seen.append(rows)
+    flat = [r for rows in seen for r in rows]
+    assert len(flat) == len(set(flat)) == 240  # no row twice within the epoch
+    interleaved = np.array(seen).T.reshape(-1)  # position p of the global order is rank p % world's
+    assert interleaved.tolist() == order.indices(0, 240).tolist()
+    # One worker reads the global order itself.
+    assert strided_rows(order.indices, 5, 4, 0, 1) == order.indices(5, 4).tolist()
+
+
+def test_the_launch_line_keeps_every_train_option_but_the_launchers_own() -> None:
+    argv = ["-v", "train", "--nproc", "4", "--steps", "10", "--max-restarts=2", "--sync", "edit", "--json"]
+    assert worker_args(argv) == ["--steps", "10", "--sync", "edit", "--json"]
+    cmd = launch_argv(4, 2, worker_args(argv))
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=4" in cmd and "--max-restarts=2" in cmd
+    assert cmd[cmd.index("-m", 3):][:3] == ["-m", "lingctl", "train"]
+    with pytest.raises(UsageError, match="--max-restarts must be >= 0"):
+        launch_argv(2, -1, [])
