@@ -2,11 +2,12 @@
 
 Two workers on this machine (``lingctl train --nproc 2``: gloo, one thread each), worker 1 slowed 2x by the
 ``--simulate-slow-rank 1 --slowdown 2`` drill, the same token budget (``--steps N``: N synchronous steps'
-worth of tokens) and the same data for every run; each run is one ``lingctl train`` process tree:
+worth of tokens) and the same data (the default corpus capped at 1 MiB) for every run; each run is one
+``lingctl train`` process tree:
 
 1. DDP (``--sync ddp``): every step waits for the slow worker, and every step all-reduces every gradient.
-2. EDiT, time-based (``--sync edit --sync-every-seconds T``): T holds ~10 steps of the fast worker (taken from
-   the median step of run 3's fast worker), which takes more local steps than the slow one in each period.
+2. EDiT, time-based (``--sync edit --sync-every-seconds T``): T holds ~10 steps of the fast worker (10 x its
+   median step in run 3, which runs first); the fast worker takes more local steps than the slow one per period.
 3. EDiT, step-based (``--sync edit --sync-every 10``): the communication figure at K = 10.
 4. References without the straggler: DDP and EDiT time-based.
 
@@ -39,6 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NPROC = 2
 SLOW_RANK, SLOWDOWN = 1, 2.0
 STEPS_PER_PERIOD = 10  # fast-worker steps one time-based EDiT period should hold
+# The default corpus (Python's standard library) capped at 1 MiB: ~383k tiny-preset tokens, more than the
+# 307k of the default budget, and data preparation in every worker of every run takes a few seconds less.
+CORPUS_BYTES = 2**20
 GOALS = {"tokens_s": 1.6, "comm": 10.0, "eval_loss": 1.02}
 
 
@@ -46,7 +50,7 @@ def train(out: Path, preset: str, steps: int, *extra: str) -> dict[str, Any]:
     """One ``lingctl train --nproc 2`` run; returns its done record plus what its metrics file says."""
     argv = [sys.executable, "-m", "lingctl", "train", "--nproc", str(NPROC), "--preset", preset,
             "--steps", str(steps), "--eval-every", "0", "--save-every", "0", "--seed", "0",
-            "--out", str(out), "--json", *extra]
+            "--set", f"data.max_bytes={CORPUS_BYTES}", "--out", str(out), "--json", *extra]
     start = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     wall = time.monotonic() - start
@@ -114,7 +118,8 @@ def main() -> None:
           f"torch {importlib.metadata.version('torch')}, Python {platform.python_version()}, "
           f"{len(os.sched_getaffinity(0))} cores")
     print(f"settings: {NPROC} workers (gloo, 1 thread each), preset {args.preset} ({ddp['parameters']:,} parameters), "
-          f"budget {steps} synchronous steps = {ddp['tokens']:,} tokens, default corpus, seed 0, eval and checkpoint "
+          f"budget {steps} synchronous steps = {ddp['tokens']:,} tokens, default corpus capped at "
+          f"{CORPUS_BYTES / 2**20:g} MiB, seed 0, eval and checkpoint "
           f"at the end only; straggler: worker {SLOW_RANK} x{SLOWDOWN:g}; EDiT time period {period:g} s "
           f"({STEPS_PER_PERIOD} x the fast worker's median step in the K={STEPS_PER_PERIOD} run); "
           f"headline pair best of {repeats}")

@@ -39,6 +39,8 @@ class LocalSgdTrainer(Trainer):
         self.warmup_left = self.config.edit_warmup_steps
         super().setup()
         c, w = self.config, self.workers
+        if self.resumed_from is not None:  # in synchronous-step equivalents, as checkpoints are named
+            self.resumed_from = self.global_steps // w.world
         self.sync = EditSynchronizer(self._units(), c.edit,
                                      delta_scale=100.0 if w.rank == c.simulate_bad_rank else 1.0)
         if self._edit_state is not None:

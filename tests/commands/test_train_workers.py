@@ -82,3 +82,19 @@ def test_edit_a_corrupted_worker_gets_no_weight_and_the_loss_does_not_spike(ling
     assert syncs and all(r["weights"][1] < 1e-3 for r in syncs), syncs
     losses = [r["loss"] for r in metrics(run) if r["event"] == "step"]
     assert max(losses[len(losses) // 2:]) < losses[0]
+
+
+def test_edit_checkpoints_at_syncs_and_resumes(lingctl, tmp_path, text_corpus):
+    run = tmp_path / "run"
+    common = (*TINY, "--sync", "edit", "--sync-every", "3", "--data", str(text_corpus), "--out", str(run),
+              "--save-every", "6", "--json")
+    first = lingctl(*common, "--steps", "12", timeout=300)
+    assert first.returncode == 0, first.stderr
+    state = run / "checkpoints" / "step-00000012" / "state"
+    assert json.loads((state / "pcache.json").read_text())["world_size"] == 2
+    again = lingctl(*common, "--steps", "18", "--resume", timeout=300)
+    assert again.returncode == 0, again.stderr
+    done = [r for r in records(again.stdout) if r.get("event") == "done"][0]
+    assert done["resumed_from"] == 12 and done["steps"] >= 18
+    syncs = [r for r in metrics(run) if r["event"] == "sync"]
+    assert syncs[-1]["total_local_steps"] >= 36
