@@ -104,7 +104,8 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
             on_start(trainer)
         return trainer.train()
     except RuntimeError as exc:
-        if workers.distributed and "closed by peer" in str(exc).lower() or "connection reset" in str(exc).lower():
+        text = str(exc).lower()
+        if workers.distributed and ("closed by peer" in text or "connection reset" in text):
             raise LingctlError(f"worker {workers.rank}: another worker stopped during a collective",
                                hint="its own error is above; with --max-restarts the job restarts from the "
                                     "last checkpoint") from None

@@ -330,10 +330,11 @@ class Trainer:
                                       total_steps=self.config.steps, min_ratio=o.min_lr_ratio)
         return base * self.guard.lr_scale
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 module: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         c = self.config
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.dtype == "bfloat16"):
-            out = self.wrapped(inputs)
+            out = (module or self.wrapped)(inputs)
             logits = out.logits.float()
         lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         cfg = self.model.config
@@ -427,12 +428,13 @@ class Trainer:
         for start in range(0, n, self.res.batch_size):
             rows = list(range(start, min(n, start + self.res.batch_size)))
             inputs, targets = batch_tensors(data, rows)
-            total += float(self._forward(inputs, targets)["lm_loss"]) * len(rows)
+            # The bare model: rank 0 evaluates alone, and a DDP forward may start a collective.
+            total += float(self._forward(inputs, targets, self.model)["lm_loss"]) * len(rows)
             count += len(rows)
         for r, a in zip(self.model.routers(), saved):
             r.warmup_alpha = a
         value = total / count
-        self._emit({"event": "eval", "step": self.step, "eval_loss": round(value, 6)})
+        self._emit({"event": "eval", "step": self.checkpoint_step(), "eval_loss": round(value, 6)})
         return value
 
     def checkpoint_step(self) -> int:
