@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -168,14 +169,55 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     """
     import signal
     import subprocess
+    import threading
 
-    proc = subprocess.Popen(launch_argv(nproc, max_restarts, worker_args(argv)), env=launch_env(nproc))
+    debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
+    proc = subprocess.Popen(launch_argv(nproc, max_restarts, worker_args(argv)), env=launch_env(nproc),
+                            stderr=None if debug else subprocess.PIPE, text=True, errors="replace")
+    codes: list[int] = []
+    relay = None if debug else threading.Thread(target=_relay, args=(proc.stderr, codes), daemon=True)
+    if relay is not None:
+        relay.start()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
         while True:
             try:
-                return proc.wait()
+                rc = proc.wait()
+                break
             except KeyboardInterrupt:  # the launcher got the same Ctrl-C; wait for it to wind down
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if relay is not None:
+        relay.join(timeout=5)
+    if rc == 0:
+        return 0
+    # The workers printed their own one-line errors; the launcher's report (a traceback and a table) was
+    # held back. Exit with the first failed worker's code (2 bad settings, 3 not found, ...).
+    code = next((c for c in codes if c > 0), 1)
+    sys.stderr.write(f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
+                     "hint: its error is above; LINGCTL_DEBUG=1 shows the launcher's full report\n")
+    return code
+
+
+# torchrun's own log lines ("W1202 16:29:24.788000 7255 torch/distributed/...") and its failure report.
+_LAUNCHER_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/")
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _relay(stream: Any, codes: list[int]) -> None:
+    """Pass the workers' stderr through, holding back the launcher's logs and traceback report (but noting
+    the exit codes it lists)."""
+    in_report = root = False
+    for line in stream:
+        if line.startswith("Traceback (most recent call last):") or line.startswith("====="):
+            in_report = True
+        if in_report or _LAUNCHER_LOG.match(line):
+            root = root or line.startswith("Root Cause")
+            found = _EXITCODE.match(line)
+            if found:  # the report's root cause (the first worker to fail) goes first
+                codes.insert(0 if root else len(codes), int(found.group(1)))
+                root = False
+            continue
+        sys.stderr.write(line)
+        sys.stderr.flush()

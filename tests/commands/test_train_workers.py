@@ -98,3 +98,11 @@ def test_edit_checkpoints_at_syncs_and_resumes(lingctl, tmp_path, text_corpus):
     assert done["resumed_from"] == 12 and done["steps"] >= 18
     syncs = [r for r in metrics(run) if r["event"] == "sync"]
     assert syncs[-1]["total_local_steps"] >= 36
+
+
+def test_bad_input_on_several_workers_is_one_line_per_worker_and_the_workers_exit_code(lingctl, tmp_path):
+    res = lingctl(*TINY, "--steps", "3", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "missing"),
+                  timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert "Traceback" not in res.stderr and "data path not found" in res.stderr
+    assert all(line.startswith(("lingctl: error:", "hint:")) for line in res.stderr.strip().splitlines()), res.stderr
