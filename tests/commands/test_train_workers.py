@@ -56,48 +56,29 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_
     assert steps == list(range(1, 11))  # the records after the checkpoint were replaced, not duplicated
 
 
-def test_edit_time_based_sync_gives_the_slow_worker_fewer_local_steps(lingctl, tmp_path, text_corpus):
+def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs_and_resumes(
+        lingctl, tmp_path, text_corpus):
     run = tmp_path / "run"
-    res = lingctl(*TINY, "--sync", "edit", "--sync-every-seconds", "0.6", "--simulate-slow-rank", "1",
-                  "--slowdown", "3", "--data", str(text_corpus), "--out", str(run), "--steps", "24",
-                  "--save-every", "0", "--json", timeout=300)
+    common = (*TINY, "--sync", "edit", "--sync-every-seconds", "0.6", "--simulate-slow-rank", "1", "--slowdown", "3",
+              "--simulate-bad-rank", "1", "--data", str(text_corpus), "--out", str(run), "--save-every", "12",
+              "--json")
+    res = lingctl(*common, "--steps", "24", timeout=300)
     assert res.returncode == 0, res.stderr
     syncs = [r for r in metrics(run) if r["event"] == "sync"]
     assert len(syncs) >= 2
-    fast = sum(r["local_steps"][0] for r in syncs)
-    slow = sum(r["local_steps"][1] for r in syncs)
-    assert slow < fast, syncs
+    # Time-based sync: the slow worker took fewer local steps instead of holding the fast one back.
+    assert sum(r["local_steps"][1] for r in syncs) < sum(r["local_steps"][0] for r in syncs), syncs
     assert syncs[-1]["total_local_steps"] >= 48  # the budget: 24 synchronous steps of 2 workers
-    assert json.loads((run / "checkpoints" / f"step-{syncs[-1]['step']:08d}" / "state" / "pcache.json")
-                      .read_text())["world_size"] == 2
-
-
-def test_edit_a_corrupted_worker_gets_no_weight_and_the_loss_does_not_spike(lingctl, tmp_path, text_corpus):
-    run = tmp_path / "run"
-    res = lingctl(*TINY, "--sync", "edit", "--sync-every", "3", "--simulate-bad-rank", "1",
-                  "--data", str(text_corpus), "--out", str(run), "--steps", "18", "--save-every", "0", "--json",
-                  timeout=300)
-    assert res.returncode == 0, res.stderr
-    syncs = [r for r in metrics(run) if r["event"] == "sync"]
-    assert syncs and all(r["weights"][1] < 1e-3 for r in syncs), syncs
+    # The corrupted worker's pseudo-gradient (x100) got no weight, and the loss did not spike.
+    assert all(r["weights"][1] < 1e-3 for r in syncs), syncs
     losses = [r["loss"] for r in metrics(run) if r["event"] == "step"]
     assert max(losses[len(losses) // 2:]) < losses[0]
-
-
-def test_edit_checkpoints_at_syncs_and_resumes(lingctl, tmp_path, text_corpus):
-    run = tmp_path / "run"
-    common = (*TINY, "--sync", "edit", "--sync-every", "3", "--data", str(text_corpus), "--out", str(run),
-              "--save-every", "6", "--json")
-    first = lingctl(*common, "--steps", "12", timeout=300)
-    assert first.returncode == 0, first.stderr
-    state = run / "checkpoints" / "step-00000012" / "state"
-    assert json.loads((state / "pcache.json").read_text())["world_size"] == 2
-    again = lingctl(*common, "--steps", "18", "--resume", timeout=300)
+    latest = json.loads((run / "latest.json").read_text())
+    assert json.loads((run / latest["path"] / "state" / "pcache.json").read_text())["world_size"] == 2
+    again = lingctl(*common, "--steps", "30", "--resume", timeout=300)
     assert again.returncode == 0, again.stderr
     done = [r for r in records(again.stdout) if r.get("event") == "done"][0]
-    assert done["resumed_from"] == 12 and done["steps"] >= 18
-    syncs = [r for r in metrics(run) if r["event"] == "sync"]
-    assert syncs[-1]["total_local_steps"] >= 36
+    assert done["resumed_from"] == latest["step"] and done["steps"] >= 30
 
 
 def test_bad_input_on_several_workers_is_one_line_per_worker_and_the_workers_exit_code(lingctl, tmp_path):
