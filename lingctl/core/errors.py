@@ -69,6 +69,10 @@ class AccessDeniedError(LingctlError):
     """Credentials missing, wrong, or without permission. Not retryable: the same request fails again."""
 
 
+class DiskFullError(LingctlError):
+    """No space left, a quota or a file-size limit: permanent until the user frees space (exit 1)."""
+
+
 def os_error(exc: OSError, what: str) -> LingctlError:
     """The user-facing kind of an ``OSError`` on ``what`` (a path), with the OS's reason in words."""
     import errno
@@ -80,4 +84,9 @@ def os_error(exc: OSError, what: str) -> LingctlError:
         return AccessDeniedError(f"{what}: {reason}")
     if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG):
         return UsageError(f"{what}: {reason}")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        # Not retryable as it stands: the same write fails until space is freed or the limit raised.
+        return DiskFullError(f"{what}: {reason}",
+                             hint="free space (or raise the file-size limit) and run the same command again; "
+                                  "finished work is kept")
     return LingctlError(f"{what}: {reason}")
