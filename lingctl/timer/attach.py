@@ -21,8 +21,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.errors import LingctlError, NotFoundError
-from lingctl.timer.ring import NO_GROUP, Header, Kind, Record, RingReader, ring_dir, ring_path
+from lingctl.core.errors import LingctlError, NotFoundError, UsageError
+from lingctl.timer.ring import (NO_GROUP, Header, Kind, Record, RingReader, check_ring_dir, ring_dir,
+                                user_ring_dir)
 from lingctl.timer.steps import breakdown, kind_name, op_name
 
 NOT_TRACED = ("not traced: no step times; start it under `lingctl timer run` or call lingctl.timer.install()")
@@ -33,14 +34,18 @@ STALE_HEARTBEAT_S = 1.0  # the tracer beats every 0.1 s; a second of silence mea
 def find_ring(pid: int, create_time: float | None = None, uid: int | None = None) -> Path | None:
     """The ring of process ``pid`` if it is traced: ours, or (for root) the one in its owner's ring dir.
 
-    A ring left by an earlier process with the same pid is ignored (its start time differs).
+    A ring left by an earlier process with the same pid is ignored (its start time differs). A ring directory
+    that is not private to its user is refused (``AccessDeniedError``): what is in it may have been planted.
     """
-    candidates = [ring_path(pid)]
+    candidates = [(ring_dir(), None)]
     if uid is not None and uid != os.getuid():
-        candidates.append(ring_dir().parent / f"lingctl-timer-{uid}" / f"{pid}.ring")
-    for path in candidates:
+        candidates.append((user_ring_dir(uid), uid))
+    for directory, owner in candidates:
+        if not check_ring_dir(directory, owner):
+            continue
+        path = directory / f"{pid}.ring"
         try:
-            reader = RingReader(path)
+            reader = RingReader(path, owner=owner)
         except (OSError, ValueError):
             continue
         try:
@@ -56,29 +61,15 @@ def request_stacks(pid: int, ring: Path, timeout: float = STACKS_TIMEOUT_S) -> s
     """Ask a traced process for all its threads' Python stacks; None when no complete dump came in time.
 
     Only a process whose stacks file exists is signalled: the tracer removes the file before it lets go of the
-    signal. The file is emptied first; the dump is complete once the file is non-empty and its size holds still
-    for a moment (faulthandler writes it in one burst from the signal handler).
+    signal. The file is the tracer's ``stacks_path(pid)`` beside its ring, opened as ``dump_stacks`` says.
     """
-    from lingctl.timer.tracer import STACKS_SIGNAL
+    from lingctl.timer.tracer import dump_stacks
 
-    path = ring.parent / f"{pid}.stacks"  # the tracer's stacks_path(pid), in the ring owner's directory
     try:
-        os.truncate(path, 0)
-        os.kill(pid, STACKS_SIGNAL)
+        owner = os.lstat(ring).st_uid
+        return dump_stacks(pid, ring.parent / f"{pid}.stacks", owner=owner, timeout=timeout)
     except (FileNotFoundError, ProcessLookupError):
         return None
-    deadline = time.monotonic() + timeout
-    last = -1
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return None
-        if size > 0 and size == last:
-            return path.read_bytes().decode(errors="replace")
-        last = size
-    return None
 
 
 def py_spy() -> str | None:
@@ -109,6 +100,8 @@ def open_process(pid: int) -> Any:
     """A ``psutil.Process`` we may inspect; one-line errors for a missing pid or someone else's process."""
     import psutil
 
+    if pid <= 0:  # 0 and negative numbers name process groups to kill(), never one process
+        raise UsageError(f"pid {pid} is not a process id (process ids are positive numbers)")
     try:
         proc = psutil.Process(pid)
         uid = proc.uids().real

@@ -18,12 +18,16 @@ exceeds ``OUTLIER_RATIO`` times the median of the other ranks, and by a signific
 ``MIN_GAP_S`` and ``MIN_GAP_SHARE`` of the median step time (the same margin a majority of late arrivals must
 amount to).
 
-Live ranks are read from their rings (fresh state); finished or dead ones from their logs, which hold only
-completed calls, so for them "started" is their last completed collective.
+Live ranks are read from their rings (fresh state). A process killed with SIGKILL leaves its ring behind until
+the next tracer collects it: that ring still says what the process was inside when it stopped (a forward, a
+collective), so it is read as the live ones are, with its last heartbeat standing for "now". Ranks that
+finished, or whose ring is gone, are read from their logs, which hold only completed calls: for them "started"
+is their last completed collective, and where they were can only be their last *finished* call.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -76,6 +80,7 @@ class RankData:
     hostname: str | None = None
     header: Header | None = None
     ring: Path | None = None
+    stopped_ns: int | None = None  # a dead process's ring: its last heartbeat (its clock's "now" when it stopped)
 
     def to_wall_ns(self, mono_ns: int) -> int:
         return mono_ns - self.mono_anchor_ns + self.wall_anchor_ns
@@ -177,8 +182,9 @@ def diagnose(out_dir: Path | None = None, pids: list[int] | None = None, *, hang
                    last_steps=last_steps)
 
 
-def from_ring(path: Path, *, hostname: str | None = None) -> RankData:
-    reader = RingReader(path)
+def from_ring(path: Path, *, hostname: str | None = None, owner: int | None = None) -> RankData:
+    """A live rank from its ring (``owner``: the ring's user, default us)."""
+    reader = RingReader(path, owner=owner)
     try:
         h = reader.header()
         records, _ = reader.records(0)
@@ -223,17 +229,34 @@ def load_dir(out_dir: Path) -> list[RankData]:
     host = socket.gethostname()
     out = []
     for meta in runs:
-        ring, pid = meta.get("ring"), meta.get("pid")
-        if ring and pid and meta.get("hostname", host) == host and pid_alive(int(pid)):
-            try:
-                data = from_ring(Path(ring), hostname=host)
-                if data.pid == pid:
-                    out.append(data)
-                    continue
-            except (OSError, ValueError):
-                pass  # gone since: its log has the rest
-        out.append(from_log(meta, read_records(meta)))
+        data = _from_left_ring(meta, host) if meta.get("hostname", host) == host else None
+        out.append(data if data is not None else from_log(meta, read_records(meta)))
     return out
+
+
+def _from_left_ring(meta: dict, host: str) -> RankData | None:
+    """The ring of the process a meta file describes, if it is still there: the process runs, or was killed
+    before it could remove it. Looked up by pid in the ring directory (never at a path the meta file names)
+    and taken only if its clock anchors are the meta file's: a later process with the same pid is not it."""
+    pid = meta.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        owner = os.stat(meta["meta_path"]).st_uid  # the traced process's user: its ring is in that user's dir
+        ring = find_ring(pid, uid=owner)
+        if ring is None:
+            return None
+        data = from_ring(ring, hostname=host, owner=os.lstat(ring).st_uid)
+    except (OSError, ValueError, KeyError):
+        return None  # gone since: its log has the rest
+    h = data.header
+    assert h is not None
+    if (h.mono_anchor_ns, h.wall_anchor_ns) != (meta.get("mono_anchor_ns"), meta.get("wall_anchor_ns")):
+        return None
+    data.alive = pid_alive(pid, h.create_time)
+    if not data.alive:
+        data.stopped_ns = h.heartbeat_ns
+    return data
 
 
 def read_records(meta: dict) -> list[Record]:
@@ -364,7 +387,8 @@ def _group_reports(ranks: list[RankData], now: int, world: int) -> list[GroupRep
         for k, s in sorted(states.items()):
             inside = s.in_flight and s.completed_seq < s.started_seq
             if inside and (seq < 0 or s.started_seq == seq):
-                waiting[k] = max(0, now - s.started_ns) / 1e9 if by_rank[k].source == "ring" else 0.0
+                r = by_rank[k]
+                waiting[k] = max(0, _now_of(r, now) - s.started_ns) / 1e9 if r.source == "ring" else 0.0
             elif s.started_seq < seq:
                 behind.append(k)
             else:
@@ -375,14 +399,22 @@ def _group_reports(ranks: list[RankData], now: int, world: int) -> list[GroupRep
     return out
 
 
+def _now_of(r: RankData, now: int) -> int:
+    """The moment a rank's ring state is read at: now for a live process, its last heartbeat for a dead one."""
+    return r.stopped_ns if r.stopped_ns is not None else now
+
+
 def _rank_report(r: RankData, stats: Any, now: int) -> RankReport:
     started = {name: g.started_seq for name, g in r.groups.items()}
     if r.header is not None:
-        facts = header_facts(r.header, now)
+        facts = header_facts(r.header, _now_of(r, now))
         where = describe_inside(facts["inside"])
+        if r.stopped_ns is not None:  # durations run up to its last heartbeat
+            where = f"exited; its ring shows it was {where} when it stopped"
         if not facts["enabled"]:
             where += " (tracing disabled itself)"
-        return RankReport(r.rank, r.pid, r.hostname, r.source, r.alive, r.header.step, facts["heartbeat_age_s"],
+        age = None if r.stopped_ns is not None else facts["heartbeat_age_s"]
+        return RankReport(r.rank, r.pid, r.hostname, r.source, r.alive, r.header.step, age,
                           facts["inside"], where, started, stats.to_json(r.group_names))
     if r.hostname not in (None, socket.gethostname()):
         where = f"on {r.hostname}: read from its log, no live state"
@@ -392,7 +424,7 @@ def _rank_report(r: RankData, stats: Any, now: int) -> RankReport:
     if calls:
         last = max(calls, key=lambda x: x.end_ns)
         name = op_name(last.op) if last.kind in (Kind.COLLECTIVE, Kind.P2P) else kind_name(last.kind)
-        where += f"; its last traced call was {name}"
+        where += f"; its last finished traced call was {name}"
     finished = stats.last_step + 1 if stats.last_step is not None else None
     return RankReport(r.rank, r.pid, r.hostname, r.source, r.alive, finished, None, None, where, started,
                       stats.to_json(r.group_names))

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.timer.ring import ensure_ring_dir
 from lingctl.timer.tracer import parse_targets
 
 INJECT_DIR = Path(__file__).resolve().parent / "_inject"
@@ -38,6 +39,8 @@ def run_traced(cmd: list[str], *, out: Path, targets: str | None) -> int:
     if not cmd:
         raise ValueError("no command to run")
     parse_targets(targets)  # a typo fails here, not in every child
+    # A ring directory that is not ours is refused here, once, rather than by every traced child.
+    ensure_ring_dir()
     Path(out).mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.Popen(cmd, env=traced_env(out, targets))

@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+from lingctl.core.names import UnsafeNameError, join_under
 from lingctl.timer.ring import RECORD, RECORD_SIZE, Record
 
 log = logging.getLogger("lingctl.timer")
@@ -47,10 +48,14 @@ def find_runs(out: Path) -> list[dict]:
     for path in Path(out).glob("rank-*.meta.json"):
         try:
             meta = read_meta(path)
-        except (OSError, ValueError) as exc:
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+            # The log's name comes from the file: it must stay inside the trace directory.
+            log_file = join_under(path.parent, meta["log"], what=f"{path.name}: log") if meta.get("log") else None
+        except (OSError, ValueError, UnsafeNameError) as exc:
             log.warning("skipping %s: %s", path, exc)
             continue
         meta["meta_path"] = str(path.resolve())
-        meta["log_path"] = str((path.parent / meta.get("log", "")).resolve()) if meta.get("log") else ""
+        meta["log_path"] = str(log_file.resolve()) if log_file is not None else ""
         runs.append(meta)
     return sorted(runs, key=lambda m: (m.get("rank", 0), m.get("pid", 0)))

@@ -1,8 +1,14 @@
 """The per-process trace ring: fixed-size binary records in a shared-memory file that other processes read.
 
-One traced process owns one ring, ``<ring dir>/<pid>.ring`` (``/dev/shm/lingctl-timer-<uid>/``, directory mode
-0700, file 0600), removed when the process exits; rings of dead processes are collected by the next tracer or
-reader (``collect_stale``). The file is a 4 KiB header then ``capacity`` records of 32 bytes.
+One traced process owns one ring, ``<ring dir>/<pid>.ring`` (file 0600), removed when the process exits; rings
+of dead processes are collected by the next tracer (``collect_stale``). The file is a 4 KiB header then
+``capacity`` records of 32 bytes.
+
+The ring directory is ``$LINGCTL_TIMER_DIR`` when set, else ``/dev/shm/lingctl-timer-<uid>`` (``$TMPDIR``
+instead of ``/dev/shm`` where there is none). Its name is predictable and its parent writable by everyone, so
+another local user could create it first and plant symlinks in it: it is used only when it is a real
+directory owned by this user with mode 0700 (``core.private_dir``), and every file in it is opened without
+following links and created with ``O_EXCL``. Writers and readers refuse anything else with one line.
 
 Writing a record is one ``struct.pack_into`` into the mmap plus an index bump: no syscall, no allocation,
 no lock beyond the GIL (one writer per process; records from other threads go through the same call, and
@@ -40,13 +46,19 @@ A record is ``kind B, op B, group H, seq i, start_ns q, end_ns q, value q``: one
 from __future__ import annotations
 
 import enum
+import errno
 import mmap
 import os
+import secrets
+import stat
 import struct
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from lingctl.core.errors import AccessDeniedError, os_error
+from lingctl.core.private_dir import check_private_dir, create_exclusive, ensure_private_dir, open_nofollow
 
 MAGIC = b"LGTIMER1"
 VERSION = 1
@@ -145,9 +157,92 @@ class Header:
         return mono_ns - self.mono_anchor_ns + self.wall_anchor_ns
 
 
+DIR_ENV = "LINGCTL_TIMER_DIR"
+
+
 def ring_dir() -> Path:
+    """Where this user's rings live: ``$LINGCTL_TIMER_DIR``, else ``lingctl-timer-<uid>`` in shared memory."""
+    override = os.environ.get(DIR_ENV)
+    if override:
+        return Path(override)
+    return user_ring_dir(os.getuid())
+
+
+def user_ring_dir(uid: int) -> Path:
+    """The default ring directory of user ``uid`` (root looks there for other users' rings)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"lingctl-timer-{os.getuid()}"
+    return base / f"lingctl-timer-{uid}"
+
+
+def ensure_ring_dir(path: Path | None = None) -> Path:
+    """Create the ring directory (0700) or check the one that is there is private to us; refused otherwise."""
+    path = ring_dir() if path is None else Path(path)
+    try:
+        return ensure_private_dir(path)
+    except AccessDeniedError as err:
+        raise _with_hint(err, path) from None
+
+
+def _with_hint(err: AccessDeniedError, path: Path) -> AccessDeniedError:
+    if err.hint and "TMPDIR" in err.hint:  # for rings the way out is the ring directory's own variable
+        err.hint = f"remove {path} (it is not lingctl's) or set {DIR_ENV} to a directory of your own"
+    return err
+
+
+def check_ring_dir(path: Path, uid: int | None = None) -> bool:
+    """Whether ``path`` exists (False: not there) after checking it is private to ``uid`` (default: us): a
+    real directory, not a link, owned by ``uid``, no access for others. Anything else is refused with an
+    ``AccessDeniedError``: a directory another user controls may hold planted links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise os_error(exc, str(path)) from exc
+    if uid is None or uid == os.geteuid():
+        try:
+            check_private_dir(path)
+        except AccessDeniedError as err:
+            raise _with_hint(err, path) from None
+        return True
+    # Root reading another user's rings: the same rule, with that user as the owner.
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid \
+            or stat.S_IMODE(st.st_mode) & 0o077:
+        raise AccessDeniedError(f"{path} is not a private directory of uid {uid} (owner {st.st_uid}, mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}); refusing to read rings from it")
+    return True
+
+
+def open_regular(path: Path, flags: int, *, owner: int | None = None) -> int:
+    """A descriptor on ``path``, opened without following a link, that is a regular file owned by ``owner``
+    (default: us). O_NONBLOCK so that a FIFO put in its place cannot hang the open."""
+    fd = open_nofollow(path, flags | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        expected = os.geteuid() if owner is None else owner
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != expected:
+            raise AccessDeniedError(f"{path} is not a regular file of uid {expected}; refusing to use it")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def remove_own_file(path: Path) -> None:
+    """Remove ``path`` if it is a regular file of ours (a leftover of an earlier process with the same pid);
+    refuse anything else in its place (a link, a directory, another user's file) with ``AccessDeniedError``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file of this user"
+        raise AccessDeniedError(f"{path} is {kind}; refusing to replace it", hint=f"remove {path}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def ring_path(pid: int) -> Path:
@@ -163,15 +258,22 @@ class RingWriter:
 
         self.path = Path(path)
         self.capacity = capacity
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_ring_dir(self.path.parent)
         size = HEADER_SIZE + capacity * RECORD_SIZE
-        # Written under a temporary name and renamed: a reader (or collect_stale) never sees a ring whose
-        # header is not there yet.
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # Written under a fresh temporary name (created exclusively: nothing planted can be reused) and renamed:
+        # a reader (or collect_stale) never sees a ring whose header is not there yet. The rename replaces
+        # whatever has the final name, a link included, without following it.
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = create_exclusive(tmp, os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise os_error(exc, str(tmp)) from exc
         try:
             os.ftruncate(fd, size)
             self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         pid = os.getpid()
@@ -240,10 +342,20 @@ class RingWriter:
 class RingReader:
     """Another process's view of a ring (read-only mmap)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, owner: int | None = None) -> None:
+        """Map ``path`` read-only: never through a link, only a regular file of ``owner`` (default: us).
+        ``OSError`` when it cannot be opened, ``ValueError`` when it is not a ring."""
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            fd = open_regular(self.path, os.O_RDONLY, owner=owner)
+        except AccessDeniedError as err:
+            raise ValueError(str(err)) from None
+        try:
+            if os.fstat(fd).st_size < HEADER_SIZE:
+                raise ValueError(f"{self.path} is not a lingctl timer ring (too short)")
+            self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
         if self.mm[:8] != MAGIC:
             self.mm.close()
             raise ValueError(f"{self.path} is not a lingctl timer ring")
@@ -289,10 +401,12 @@ def pid_alive(pid: int, create_time: float | None = None) -> bool:
 
 
 def collect_stale() -> list[Path]:
-    """Remove rings whose process is gone (killed with SIGKILL, so its exit hook never ran)."""
-    removed = []
+    """Remove rings whose process is gone (killed with SIGKILL, so its exit hook never ran), and temporary
+    rings such processes left. Only in a ring directory that is ours (``AccessDeniedError`` otherwise); what
+    is removed is unlinked, never followed (unlinking a link removes the link alone)."""
+    removed: list[Path] = []
     d = ring_dir()
-    if not d.is_dir():
+    if not check_ring_dir(d):
         return removed
     for path in d.glob("*.ring"):
         try:
@@ -305,7 +419,22 @@ def collect_stale() -> list[Path]:
         except (OSError, ValueError, struct.error):
             alive = False
         if not alive:
-            path.unlink(missing_ok=True)
-            path.with_suffix(".stacks").unlink(missing_ok=True)
+            _unlink(path)
+            _unlink(path.with_suffix(".stacks"))
+            removed.append(path)
+    for path in d.glob(".*.ring.*.tmp"):  # .<pid>.ring.<writer pid>.<token>.tmp of a writer killed mid-creation
+        writer = path.name.split(".")[3]
+        if not (writer.isdigit() and pid_alive(int(writer))):
+            _unlink(path)
             removed.append(path)
     return removed
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EISDIR, errno.EPERM):  # a directory in its place is left alone
+            raise

@@ -26,6 +26,7 @@ become pass-through) with one warning. Forked children (DataLoader workers) are 
 from __future__ import annotations
 
 import atexit
+import errno
 import faulthandler
 import fcntl
 import importlib.util
@@ -40,8 +41,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from lingctl.core.errors import LingctlError, os_error
+from lingctl.core.private_dir import create_exclusive
 from lingctl.timer.ring import (HEADER_SIZE, NO_GROUP, RECORD_SIZE, Kind, RingReader, RingWriter, collect_stale,
-                                ring_dir, ring_path)
+                                ensure_ring_dir, open_regular, remove_own_file, ring_dir, ring_path)
 from lingctl.timer.targets import TargetsMixin
 
 log = logging.getLogger("lingctl.timer")
@@ -85,31 +88,54 @@ def parse_targets(spec: str | None) -> set[str]:
 
 
 def read_stacks(pid: int, timeout: float = 3.0) -> str:
-    """Python stacks of every thread of traced process ``pid``: truncate its stacks file, signal it, wait until
-    the file is non-empty and stops growing. FileNotFoundError when the process is not traced (the signal would
-    kill an untraced process)."""
-    path = stacks_path(pid)
-    os.truncate(path, 0)
-    os.kill(pid, STACKS_SIGNAL)
-    deadline, last = time.monotonic() + timeout, -1
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        size = path.stat().st_size
-        if size and size == last:
-            break
-        last = size
-    return path.read_text(errors="replace")
+    """Python stacks of every thread of traced process ``pid`` (one of ours): see ``dump_stacks``.
+    FileNotFoundError when the process is not traced (the signal would kill an untraced process)."""
+    text = dump_stacks(pid, stacks_path(pid), timeout=timeout)
+    return text or ""
+
+
+def dump_stacks(pid: int, path: Path, *, owner: int | None = None, timeout: float = 3.0) -> str | None:
+    """Ask traced process ``pid`` for its stacks through its stacks file ``path`` (owned by ``owner``, default
+    us): empty the file, signal the process, wait until the file is non-empty and its size holds still for a
+    moment (faulthandler writes the dump in one burst from the signal handler). None when no complete dump came
+    within ``timeout``. FileNotFoundError when there is no stacks file (the process is not traced: only a
+    process whose stacks file exists is signalled; the tracer removes it before it lets go of the signal).
+
+    The file is opened once, without following links, and used only if it is a regular file of ``owner``
+    with one link: emptying or reading a file planted in its place would touch someone else's data."""
+    try:
+        fd = open_regular(path, os.O_RDWR, owner=owner)
+    except LingctlError as err:
+        raise FileNotFoundError(errno.ENOENT, str(err), str(path)) from None
+    try:
+        if os.fstat(fd).st_nlink != 1:
+            raise FileNotFoundError(errno.ENOENT, f"{path} has other names; refusing to use it", str(path))
+        os.ftruncate(fd, 0)
+        os.kill(pid, STACKS_SIGNAL)
+        deadline, last = time.monotonic() + timeout, -1
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            size = os.fstat(fd).st_size
+            if size > 0 and size == last:
+                return os.pread(fd, size, 0).decode(errors="replace")
+            last = size
+        return None
+    finally:
+        os.close(fd)
 
 
 def collect_stale_files() -> list[Path]:
     """``ring.collect_stale`` (rings of dead processes), then the stacks files such processes left behind."""
     import psutil
 
-    removed = collect_stale()
+    removed = collect_stale()  # checks the directory is ours first
     for path in ring_dir().glob("*.stacks"):
         pid = int(path.stem) if path.stem.isdigit() else -1
-        if not ring_path(pid).exists() and not psutil.pid_exists(pid):
-            path.unlink(missing_ok=True)
+        if not os.path.lexists(ring_path(pid)) and not psutil.pid_exists(pid):
+            try:
+                os.unlink(path)  # a link is removed itself, never followed
+            except FileNotFoundError:
+                pass
             removed.append(path)
     return removed
 
@@ -241,21 +267,31 @@ class Tracer(TargetsMixin):
             raise
 
     def _open_ring(self, capacity: int) -> None:
-        d = ring_dir()
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        d = ensure_ring_dir()  # ours and 0700, or refused: see ring.py
         # Serialise collection with creation: a ring whose header is not written yet looks stale to a collector.
-        with open(d / ".lock", "a") as lock:
+        # The lock file is never opened through a link, so it cannot create or touch a file elsewhere.
+        lock = open_regular(d / ".lock", os.O_RDWR | os.O_CREAT)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             collect_stale_files()
             self.writer = RingWriter(ring_path(self.pid), capacity=capacity, rank=self.rank, world=self.world,
                                      local_rank=self.local_rank, argv=self.argv)
+        finally:
+            os.close(lock)  # releases the lock
         reader = RingReader(self.writer.path)
         try:
             h = reader.header()
         finally:
             reader.close()
         self.mono_anchor_ns, self.wall_anchor_ns = h.mono_anchor_ns, h.wall_anchor_ns
-        fd = os.open(stacks_path(self.pid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        # A stacks file of an earlier process with this pid is removed only if it is a regular file of ours;
+        # then the file is created anew (O_EXCL): a link planted under its name is refused, never followed.
+        path = stacks_path(self.pid)
+        remove_own_file(path)
+        try:
+            fd = create_exclusive(path, os.O_WRONLY | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise os_error(exc, str(path)) from exc
         # O_APPEND: a reader truncates the file before each request and the next dump must start at offset 0.
         self._stacks_file = os.fdopen(fd, "w")
         faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
@@ -424,8 +460,13 @@ class Tracer(TargetsMixin):
             self._files_lock.release()
 
     def _close_files(self, at_exit: bool) -> None:
-        # The stacks file goes first: readers only signal a process whose stacks file exists.
-        stacks_path(self.pid).unlink(missing_ok=True)
+        # The stacks file goes first: readers only signal a process whose stacks file exists. Only the one this
+        # tracer created: after a refused start, what is in the directory is not ours to remove.
+        if self._stacks_file is not None:
+            try:
+                os.unlink(stacks_path(self.pid))
+            except FileNotFoundError:
+                pass
         if self._stacks_file is not None and not at_exit:  # at exit the handler stays: the signal must not kill
             faulthandler.unregister(STACKS_SIGNAL)
             self._stacks_file.close()
@@ -448,6 +489,10 @@ def install(out: str | Path | None = None, *, targets: str | None = None, capaci
         if _tracer is None:
             try:
                 _tracer = Tracer(out, chosen, capacity, log_max_bytes)
+            except LingctlError as exc:  # e.g. a ring directory that is not ours: one line, with the way out
+                log.warning("lingctl timer: tracing not installed: %s%s", exc,
+                            f" ({exc.hint})" if exc.hint else "")
+                return None
             except Exception as exc:
                 log.warning("lingctl timer: tracing not installed: %r", exc)
                 return None
