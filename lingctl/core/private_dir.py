@@ -33,9 +33,11 @@ def ensure_private_dir(path: Path | str) -> Path:
     return path
 
 
-def check_private_dir(path: Path | str) -> None:
-    """Refuse ``path`` unless it is a directory (not a link to one) owned by us with no access for others."""
+def check_private_dir(path: Path | str, *, owner: int | None = None) -> None:
+    """Refuse ``path`` unless it is a directory (not a link to one) owned by ``owner`` (default: us) with no
+    access for others. Root reading another user's files passes that user as ``owner``."""
     path = Path(path)
+    uid = os.geteuid() if owner is None else owner
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -44,9 +46,9 @@ def check_private_dir(path: Path | str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise AccessDeniedError(f"{path} is not a directory (a link or a file is in its place); refusing to use it",
                                 hint=hint)
-    if st.st_uid != os.geteuid():
-        raise AccessDeniedError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); "
-                                "refusing to use it", hint=hint)
+    if st.st_uid != uid:
+        raise AccessDeniedError(f"{path} belongs to uid {st.st_uid}, not to uid {uid}; refusing to use it",
+                                hint=hint)
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise AccessDeniedError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
                                 "refusing to use it", hint=f"chmod 700 {path}")

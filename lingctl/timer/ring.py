@@ -199,17 +199,10 @@ def check_ring_dir(path: Path, uid: int | None = None) -> bool:
         return False
     except OSError as exc:
         raise os_error(exc, str(path)) from exc
-    if uid is None or uid == os.geteuid():
-        try:
-            check_private_dir(path)
-        except AccessDeniedError as err:
-            raise _with_hint(err, path) from None
-        return True
-    # Root reading another user's rings: the same rule, with that user as the owner.
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid \
-            or stat.S_IMODE(st.st_mode) & 0o077:
-        raise AccessDeniedError(f"{path} is not a private directory of uid {uid} (owner {st.st_uid}, mode "
-                                f"{stat.S_IMODE(st.st_mode):04o}); refusing to read rings from it")
+    try:
+        check_private_dir(path, owner=uid)
+    except AccessDeniedError as err:
+        raise _with_hint(err, path) from None
     return True
 
 
