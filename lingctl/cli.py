@@ -19,6 +19,7 @@ from lingctl.commands.train import train
 from lingctl.commands.version import version
 from lingctl.core.errors import EXIT_ERROR, EXIT_USAGE, LingctlError
 from lingctl.core.logs import level_from, setup_logging
+from lingctl.core.names import printable
 
 app = typer.Typer(
     name="lingctl",
@@ -56,9 +57,10 @@ app.command("version")(version)
 
 
 def _fail(message: str, hint: str | None, code: int) -> int:
-    sys.stderr.write(f"lingctl: error: {message}\n")
+    # Messages quote names from data (object keys, paths): shown escaped, so the error stays one line.
+    sys.stderr.write(f"lingctl: error: {printable(message)}\n")
     if hint:
-        sys.stderr.write(f"hint: {hint}\n")
+        sys.stderr.write(f"hint: {printable(hint)}\n")
     sys.stderr.flush()
     return code
 

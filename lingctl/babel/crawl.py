@@ -3,6 +3,11 @@
 Both listers (local directories, S3 prefixes) are crawls whose tasks add more tasks (a directory its
 subdirectories, a prefix its sub-prefixes and key ranges); results go to the consumer through a bounded
 queue while the crawl goes on.
+
+A part of the tree that cannot be read (a subdirectory without permission) does not stop the crawl: it is
+reported to the consumer's ``on_unreadable`` and everything else is listed. A consumer that passes no
+handler gets an ``UnreadableError`` after the last batch, so a partial listing is never taken for a whole
+one (a sync with --delete must not delete what it could not see in the source).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from lingctl.core.errors import LingctlError
+from lingctl.core.names import printable
 
 log = logging.getLogger("lingctl.babel.listing")
 
@@ -30,7 +38,29 @@ class ListStats:
     requests: int = 0  # HTTP List requests sent, retries included (S3) / directories scanned (local)
     retries: int = 0
     objects: int = 0
+    unreadable: int = 0  # directories (or entries) that could not be read and were left out
 
+
+# on_unreadable(path, error naming it), called on the consumer's thread, never on a listing worker.
+OnUnreadable = Callable[[str, LingctlError], None]
+
+
+class UnreadableError(LingctlError):
+    """Some directories could not be read; everything else was listed (exit 1: retrying will not help)."""
+
+    def __init__(self, failures: list[tuple[str, LingctlError]]) -> None:
+        _, err = failures[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        super().__init__(f"{len(failures)} director{'y' if len(failures) == 1 else 'ies'} could not be read, "
+                         f"so the listing is incomplete; first: {printable(err.message)}{more}",
+                         hint="fix their permissions and run the same command again; the rest was handled")
+        self.failures = failures
+
+
+@dataclass(slots=True)
+class _Unreadable:
+    path: str
+    error: LingctlError
 
 
 class Crawl:
@@ -44,8 +74,9 @@ class Crawl:
     _DONE = object()
 
     def __init__(self, jobs: int, stats: ListStats, work: Callable[[Any, Crawl], None],
-                 close: Callable[[], None] | None = None) -> None:
+                 close: Callable[[], None] | None = None, on_unreadable: OnUnreadable | None = None) -> None:
         self.jobs = jobs
+        self._on_unreadable = on_unreadable
         self.stats = stats
         self._work = work
         self._close = close
@@ -63,6 +94,13 @@ class Crawl:
 
     def emit(self, batch: list[Listed]) -> None:
         self._put(batch)
+
+    def unreadable(self, path: str, error: LingctlError) -> None:
+        """A directory or entry left out because it cannot be read; the crawl goes on with the rest.
+        A consumer's ``on_unreadable`` reports it; without one it is logged here (the message names it)."""
+        if self._on_unreadable is None:
+            log.warning("cannot read %s; listing the rest", printable(error.message))
+        self._put(_Unreadable(path, error))
 
     def count(self, requests: int = 0, retries: int = 0) -> None:
         with self._lock:
@@ -95,14 +133,22 @@ class Crawl:
                    for i in range(self.jobs)]
         for w in workers:
             w.start()
+        failures: list[tuple[str, LingctlError]] = []
         try:
             self.add(first)
             while True:
                 item = self._out.get()
                 if item is self._DONE:
-                    return
+                    break
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, _Unreadable):
+                    self.stats.unreadable += 1
+                    if self._on_unreadable is not None:
+                        self._on_unreadable(item.path, item.error)
+                    else:
+                        failures.append((item.path, item.error))
+                    continue
                 self.stats.objects += len(item)
                 yield item
         finally:
@@ -117,4 +163,6 @@ class Crawl:
                 self._close()
             log.debug("listing done: %d objects, %d requests, %d retries", self.stats.objects,
                       self.stats.requests, self.stats.retries)
+        if failures:
+            raise UnreadableError(failures)
 

@@ -13,22 +13,24 @@ import os
 import stat
 from collections.abc import Iterator
 
-from lingctl.babel.crawl import Crawl, Listed, ListStats
+from lingctl.babel.crawl import Crawl, Listed, ListStats, OnUnreadable, UnreadableError
 from lingctl.babel.s3_listing import Range, S3Lister
-from lingctl.core.atomic import TMP_MARKER
+from lingctl.core.atomic import is_tmp_name
 from lingctl.core.errors import NotFoundError, UsageError, os_error
+from lingctl.core.names import printable
 from lingctl.core.storage.s3 import S3Options
 from lingctl.core.storage.url import StoreURL, parse_url
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Listed", "ListStats", "list_tree"]
+__all__ = ["Listed", "ListStats", "OnUnreadable", "UnreadableError", "list_tree"]
 
 _BATCH = 1000  # local entries per batch; S3 batches are pages, which hold at most 1000 keys
 
 
 def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 16, stats: ListStats | None = None,
-              skip_dirs: frozenset[str] = frozenset()) -> Iterator[list[Listed]]:
+              skip_dirs: frozenset[str] = frozenset(),
+              on_unreadable: OnUnreadable | None = None) -> Iterator[list[Listed]]:
     """Every object under url (recursively), in batches, in no particular order.
 
     The root is checked (and S3 credentials resolved) at once; listing starts on the first ``next()``.
@@ -36,6 +38,11 @@ def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 1
     ``NotFoundError`` (no such directory or bucket), ``AccessDeniedError``, ``UsageError`` (the root is a
     file, bad options) and, once its retries are spent, ``RetryableError``. Stopping the iteration early
     stops the workers.
+
+    A local subdirectory (or entry) that cannot be read is logged and left out, and the rest is listed:
+    ``on_unreadable(path, error)`` is called for it, or, without a handler, ``UnreadableError`` (exit 1)
+    is raised after the last batch. lingctl's own temporary files (``core.atomic.is_tmp_name``: exactly
+    the names it makes, not every name holding the marker) are never listed.
     """
     root = parse_url(url) if isinstance(url, str) else url
     if jobs < 1:
@@ -43,9 +50,9 @@ def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 1
     stats = stats if stats is not None else ListStats()
     if root.is_s3:
         s3_lister = S3Lister(root, s3 or S3Options(), jobs, skip_dirs)
-        return Crawl(jobs, stats, s3_lister.page, s3_lister.close).run(Range(s3_lister.prefix))
+        return Crawl(jobs, stats, s3_lister.page, s3_lister.close, on_unreadable).run(Range(s3_lister.prefix))
     local = _LocalLister(root, skip_dirs)
-    return Crawl(jobs, stats, local.scan).run((local.root, ""))
+    return Crawl(jobs, stats, local.scan, on_unreadable=on_unreadable).run((local.root, ""))
 
 
 # -- local directories ------------------------------------------------------------------------------------
@@ -76,7 +83,10 @@ class _LocalLister:
         except FileNotFoundError:  # removed while the listing ran
             return
         except OSError as exc:
-            raise os_error(exc, directory) from exc
+            if not rel:  # the root itself: nothing can be listed
+                raise os_error(exc, directory) from exc
+            crawl.unreadable(directory, os_error(exc, directory))
+            return
         batch: list[Listed] = []
         with it:
             for entry in it:
@@ -86,7 +96,7 @@ class _LocalLister:
                         if name not in self.skip_dirs:
                             crawl.add((entry.path, f"{rel}{name}/"))
                         continue
-                    if TMP_MARKER in name:  # an unfinished atomic write
+                    if is_tmp_name(name):  # an unfinished atomic write of lingctl's
                         continue
                     if entry.is_symlink():
                         st = self._link_target(entry.path)
@@ -98,8 +108,9 @@ class _LocalLister:
                         continue
                 except FileNotFoundError:
                     continue
-                except OSError as exc:
-                    raise os_error(exc, entry.path) from exc
+                except OSError as exc:  # e.g. a directory that can be listed but not searched (mode r--)
+                    crawl.unreadable(entry.path, os_error(exc, entry.path))
+                    continue
                 if not name.isascii() and not _utf8(name):
                     # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is.
                     log.warning("skipping %s: its name is not valid UTF-8", os.fsencode(entry.path))
@@ -116,13 +127,14 @@ class _LocalLister:
         target = os.path.realpath(path)
         if os.path.isdir(target):
             # Not followed: a link to a directory can form a loop or pull in a whole foreign tree.
-            log.warning("not following symlinked directory %s", path)
+            log.warning("not following symlinked directory %s", printable(path))
             return None
         if not os.path.isfile(target):
-            log.warning("skipping broken symlink %s", path)
+            log.warning("skipping broken symlink %s", printable(path))
             return None
         if not target.startswith(self._real_root):
-            log.warning("skipping symlink %s: it points outside the source (%s)", path, target)
+            log.warning("skipping symlink %s: it points outside the source (%s)", printable(path),
+                        printable(target))
             return None
         return os.stat(target)
 

@@ -30,8 +30,9 @@ from urllib.parse import quote, unquote_plus, urlparse
 
 from lingctl.babel.crawl import Crawl, Listed
 from lingctl.core.errors import UsageError
+from lingctl.core.names import printable
 from lingctl.core.storage.s3 import S3Options, translate
-from lingctl.core.storage.url import StoreURL
+from lingctl.core.storage.url import StoreURL, redact_url
 
 log = logging.getLogger("lingctl.babel.listing")
 
@@ -184,7 +185,8 @@ class S3Lister:
         self.options = options
         self.attempts = max(options.max_attempts, _MIN_ATTEMPTS)
         endpoint = options.resolved_endpoint()
-        self.endpoint = endpoint or ""
+        # Only for messages and logs, so redacted: a URL can carry a password typed into it.
+        self.endpoint = redact_url(endpoint) if endpoint else ""
         try:
             session = boto3.session.Session(profile_name=options.profile)
         except botocore.exceptions.ProfileNotFound:
@@ -245,7 +247,8 @@ class S3Lister:
         if r.after and not r.token and self._split_ok:
             # A prefix may legitimately equal start-after (see below); a key may not.
             if page.keys and page.keys[0][0] <= r.after:
-                log.warning("S3 server at %s ignores start-after; listing each prefix serially", self.endpoint)
+                log.warning("S3 server at %s ignores start-after; listing each prefix serially",
+                            self.endpoint or "AWS S3")
                 self._split_ok = False
         cut = len(self.prefix)
         beyond = False
@@ -280,7 +283,7 @@ class S3Lister:
                 crawl.add(Range(r.prefix, r.after, r.until, page.token))
             else:
                 log.warning("S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
-                            self.endpoint or "AWS S3", self.bucket, r.prefix)
+                            self.endpoint or "AWS S3", self.bucket, printable(r.prefix))
             return
         names.sort()
         last = names[-1]
@@ -342,7 +345,7 @@ class S3Lister:
                 resp = self.http.request("GET", url, headers=dict(request.headers.items()), retries=False)
             except urllib3.exceptions.HTTPError as exc:
                 error = _connection_error(exc, url, bx)
-                log.debug("list %s: attempt %d: %s", what, attempt, exc)
+                log.debug("list %s: attempt %d: %s", printable(what), attempt, redact_url(str(exc)))
                 continue
             finally:
                 with self._lock:
@@ -363,9 +366,9 @@ class S3Lister:
                                     "ResponseMetadata": {"HTTPStatusCode": resp.status}}, "ListObjectsV2")
             if resp.status not in _RETRY_STATUS and code not in _RETRY_CODES:
                 break
-            log.debug("list %s: attempt %d: HTTP %d %s", what, attempt, resp.status, code)
+            log.debug("list %s: attempt %d: HTTP %d %s", printable(what), attempt, resp.status, printable(code))
         assert error is not None
-        raise translate(error, what, self.endpoint, self.attempts) from error
+        raise translate(error, printable(what), self.endpoint, self.attempts) from error
 
 
 def _connection_error(exc: Exception, url: str, bx: Any) -> Exception:

@@ -1,4 +1,9 @@
-"""`lingctl babel ls | sync | verify`: thin wrappers over lingctl.babel."""
+"""`lingctl babel ls | sync | verify`: thin wrappers over lingctl.babel.
+
+Keys and paths come from data (listings of trees other people wrote): every one shown in human output goes
+through ``printable``, and every endpoint through ``redact_url``. JSON output keeps keys exact (JSON
+escapes control characters itself).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ from typing import Annotated, Any
 import typer
 
 from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
-from lingctl.core.errors import RetryableError, VerificationError
+from lingctl.core.errors import LingctlError, VerificationError
+from lingctl.core.names import printable
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.storage import parse_url
+from lingctl.core.storage.url import redact_url
 from lingctl.core.units import format_size, parse_size
 
 app = typer.Typer(help="Copy, sync and verify trees between local disks and S3-compatible stores.",
@@ -33,7 +40,7 @@ def ls(
     path_style: PathStyleOpt = None, retries: RetriesOpt = 5, json: JsonOpt = False,
 ) -> None:
     """List objects (key, size, modification time, etag) or, with --summary, their count and total size."""
-    from lingctl.babel.listing import ListStats, list_tree
+    from lingctl.babel.listing import ListStats, UnreadableError, list_tree
     from lingctl.core.storage import open_store
 
     out = Output(json)
@@ -41,8 +48,14 @@ def ls(
     parsed = parse_url(url)
     rows: list[dict[str, Any]] = []
     count = total = 0
+    unreadable: list[tuple[str, LingctlError]] = []  # listed around, reported (and exit 1) after the listing
+
+    def skipped(path: str, err: LingctlError) -> None:
+        out.warn(f"cannot read {printable(err.message)}; listing the rest")
+        unreadable.append((path, err))
+
     if recursive or summary:
-        for batch in list_tree(parsed, s3, jobs=jobs, stats=ListStats()):
+        for batch in list_tree(parsed, s3, jobs=jobs, stats=ListStats(), on_unreadable=skipped):
             count += len(batch)
             total += sum(e.size for e in batch)
             if not summary:
@@ -61,14 +74,16 @@ def ls(
     if summary:
         out.result({"url": url, "objects": count, "bytes": total},
                    f"{count} objects, {format_size(total)} ({total} bytes)")
-        return
+    else:
+        def human(console: Any) -> None:
+            for r in rows:
+                when = (dt.datetime.fromtimestamp(r["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if r.get("mtime")
+                        else " " * 19)
+                console.print(f"{r['size']:>14} {when} {printable(r['key'])}", markup=False)
 
-    def human(console: Any) -> None:
-        for r in rows:
-            when = dt.datetime.fromtimestamp(r["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if r.get("mtime") else " " * 19
-            console.print(f"{r['size']:>14} {when} {r['key']}", markup=False)
-
-    out.result(rows, human)
+        out.result(rows, human)
+    if unreadable:
+        raise UnreadableError(unreadable)
 
 
 @app.command("sync")
@@ -92,17 +107,25 @@ def sync(
 ) -> None:
     """Make DST equal to SRC (local paths or s3:// in any direction). Re-running resumes an interrupted sync.
 
-    Exit codes: 0 in sync, 4 a copy failed verification, 5 copies failed after retries (re-run to resume).
+    Exit codes: 0 in sync, 1 copies failed for good (access denied, refused key, unreadable directory),
+    2 overlapping trees or bad options, 4 a copy failed verification, 5 copies failed after retries (re-run
+    to resume).
     """
     from lingctl.babel.filters import parse_shard
+    from lingctl.babel.overlap import check_no_overlap
+    from lingctl.babel.preflight import prepare
     from lingctl.babel.sync import SyncOptions, Syncer
 
     out = Output(json)
+    src_url, dst_url = parse_url(src), parse_url(dst)
+    check_no_overlap(src_url, dst_url)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
     opts = SyncOptions(dry_run=dry_run, delete=delete, max_delete=max_delete, include=include or [],
                        exclude=exclude or [], checksum=checksum, jobs=jobs,
                        part_size=parse_size(part_size) if part_size else None, verify=verify, samples=samples,
                        shard=parse_shard(shard), commit_last=commit_last, state_dir=state_dir)
-    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    opts.validate()
+    opts.state_dir = prepare(src_url, dst_url, state_dir, dry_run=dry_run)
     with out.progress("syncing", total=0, unit="bytes") as bar:
         counts = {"queued": 0, "objects": 0, "listed": 0}
 
@@ -116,19 +139,21 @@ def sync(
                 counts["objects" if kind == "copied" else "listed"] += n
                 bar.update(description=f"{counts['objects']} copied, {counts['listed']} listed")
 
-        result = Syncer(parse_url(src), parse_url(dst), s3, opts, progress).run()
+        result = Syncer(src_url, dst_url, s3, opts, progress).run()
     _report(out, result)
 
 
 def _report(out: Output, r: Any) -> None:
+    r.source, r.destination = redact_url(r.source), redact_url(r.destination)
+
     def human(console: Any) -> None:
         if r.dry_run:
             for key in r.would_copy:
-                console.print(f"would copy  {key}", markup=False)
+                console.print(f"would copy  {printable(key)}", markup=False)
             for key in r.would_delete:
-                console.print(f"would delete {key}", markup=False)
+                console.print(f"would delete {printable(key)}", markup=False)
         for f in r.failed:
-            console.print(f"FAILED {f['key']}: {f['error']}", markup=False)
+            console.print(f"FAILED {printable(f['key'])}: {printable(redact_url(f['error']))}", markup=False)
         verb = "would copy" if r.dry_run else "copied"
         n = len(r.would_copy) if r.dry_run else r.copied
         console.print(f"{verb} {n} objects ({format_size(r.copied_bytes)}), {r.skipped} up to date, "
@@ -140,11 +165,10 @@ def _report(out: Output, r: Any) -> None:
             console.print(r.deletes_skipped, markup=False)
 
     out.result(to_jsonable(r), human)
-    if r.failed:
-        if any(f.get("kind") == "verify" for f in r.failed):
-            raise VerificationError(f"{len(r.failed)} object(s) failed; first: {r.failed[0]['key']}: {r.failed[0]['error']}")
-        raise RetryableError(f"{len(r.failed)} object(s) failed; first: {r.failed[0]['key']}: {r.failed[0]['error']}",
-                             hint="run the same command again: finished objects and parts are kept")
+    failure = r.failure()
+    if failure is not None:
+        failure.message = printable(redact_url(failure.message))  # it quotes a key and an error from data
+        raise failure
 
 
 @app.command("verify")
@@ -160,21 +184,27 @@ def verify(
 ) -> None:
     """Compare SRC and DST object by object; exit 4 and name every difference with both sides' figures."""
     from lingctl.babel.filters import KeyFilter
+    from lingctl.babel.overlap import check_no_overlap
     from lingctl.babel.verify import verify as run_verify
 
     out = Output(json)
+    src_url, dst_url = parse_url(src), parse_url(dst)
+    # Comparing a tree with itself would "verify" anything; one inside the other is only a comparison.
+    check_no_overlap(src_url, dst_url, allow_nested=True)
     s3 = s3_options(endpoint_url, region, profile, path_style, retries)
-    result = run_verify(parse_url(src), parse_url(dst), s3, mode=mode, samples=samples, jobs=jobs,
+    result = run_verify(src_url, dst_url, s3, mode=mode, samples=samples, jobs=jobs,
                         key_filter=KeyFilter(include or [], exclude or []))
+    result.source, result.destination = redact_url(result.source), redact_url(result.destination)
 
     def human(console: Any) -> None:
         for d in result.differences:
             sides = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in d.items() if k not in ("key", "problem"))
-            console.print(f"DIFFERS {d['key']}: {d['problem']} ({sides})", markup=False)
+            console.print(f"DIFFERS {printable(d['key'])}: {d['problem']} ({sides})", markup=False)
         console.print(f"{result.checked} objects compared ({result.mode}), {result.matched} match, "
                       f"{len(result.differences)} differ; {result.seconds:.1f} s", markup=False)
 
     out.result({**to_jsonable(result), "ok": result.ok}, human)
     if not result.ok:
-        raise VerificationError(f"{len(result.differences)} difference(s) between {src} and {dst}")
+        raise VerificationError(f"{len(result.differences)} difference(s) between {printable(src)} and "
+                                f"{printable(dst)}")
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 
 from lingctl.core.storage import S3Options
+from lingctl.core.storage.url import check_endpoint_url
+
+log = logging.getLogger("lingctl.commands")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout (JSON).")]
 
@@ -23,5 +29,13 @@ RetriesOpt = Annotated[int, typer.Option("--retries", min=1, help="Attempts per 
 
 def s3_options(endpoint_url: str | None, region: str | None, profile: str | None, path_style: bool | None,
                retries: int = 3) -> S3Options:
-    return S3Options(endpoint_url=endpoint_url, region=region, profile=profile, path_style=path_style,
+    """The S3 settings of a command. The endpoint (flag, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is
+    checked here, so a malformed one is a one-line usage error before anything runs, and it is passed on
+    without user info: nothing later (errors, reports, JSON) can show a password typed into it."""
+    raw = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    endpoint = check_endpoint_url(raw) if raw else None
+    if raw and "@" in urlsplit(raw).netloc:
+        log.warning("ignoring the user:password in the endpoint URL: S3 requests are signed with the AWS "
+                    "credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE), never with these")
+    return S3Options(endpoint_url=endpoint, region=region, profile=profile, path_style=path_style,
                      max_attempts=retries)

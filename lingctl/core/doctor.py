@@ -24,6 +24,7 @@ from lingctl.core.errors import AccessDeniedError, LingctlError, UsageError, Ver
 from lingctl.core.local_s3 import find_rclone
 from lingctl.core.storage import ObjectStore, S3Options, open_store
 from lingctl.core.storage.s3 import make_client, translate
+from lingctl.core.storage.url import redact_url
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -160,6 +161,13 @@ def check_rclone() -> Check:
     return Check("rclone", "ok", f"{version} ({rclone})", {"path": rclone, "version": version})
 
 
+def _failed(name: str, err: LingctlError) -> Check:
+    """A failed check. The report is shown and stored (``--json``): endpoints in the message lose any
+    user:password or secret query value, as does the error that becomes the exit line."""
+    err.message = redact_url(err.message)
+    return Check(name, "fail", err.message, error=err)
+
+
 def check_s3_endpoint(options: S3Options) -> Check:
     """Whether the configured S3 endpoint answers an authenticated ListBuckets. Skipped when nothing is set.
 
@@ -167,14 +175,19 @@ def check_s3_endpoint(options: S3Options) -> Check:
     (exit 5) even on a machine without credentials.
     """
     try:
-        endpoint = options.resolved_endpoint()
+        try:
+            endpoint = options.resolved_endpoint()
+        except ValueError:  # urllib's own complaint (an unclosed '[') may quote the URL: say it ourselves
+            raise UsageError("invalid endpoint URL: malformed host or port",
+                             hint="write it as http(s)://host[:port]") from None
         if endpoint is None and not (options.profile or os.environ.get("AWS_ACCESS_KEY_ID")
                                      or os.environ.get("AWS_PROFILE")):
             return Check("s3", "skip", "no endpoint or credentials configured (--endpoint-url, AWS_ENDPOINT_URL)")
         import boto3
         import botocore.exceptions
 
-        where = endpoint or "AWS S3"
+        shown = redact_url(endpoint) if endpoint else ""
+        where = shown or "AWS S3"
         try:
             # Only where the credentials came from is shown ("env", "shared-credentials-file"), never the keys.
             creds = boto3.session.Session(profile_name=options.profile).get_credentials()
@@ -188,12 +201,12 @@ def check_s3_endpoint(options: S3Options) -> Check:
             if creds is None:  # the endpoint answered, and refused an anonymous request
                 raise AccessDeniedError(f"no S3 credentials found for {where}",
                                         hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from exc
-            raise translate(exc, "ListBuckets", endpoint or "", options.max_attempts) from exc
+            raise translate(exc, "ListBuckets", shown, options.max_attempts) from exc
         except Exception as exc:
-            raise translate(exc, "ListBuckets", endpoint or "", options.max_attempts) from exc
+            raise translate(exc, "ListBuckets", shown, options.max_attempts) from exc
         ms = (time.perf_counter() - start) * 1000
     except LingctlError as err:
-        return Check("s3", "fail", err.message, error=err)
+        return _failed("s3", err)
     source = creds.method if creds is not None else "anonymous"
     return Check("s3", "ok", f"{where} answered in {ms:.0f} ms, {len(buckets)} bucket(s) visible "
                  f"(credentials from {source})",
@@ -262,7 +275,7 @@ def run_doctor(*, s3: S3Options, disk_path: Path, probe_url: str | None = None, 
         try:
             store = open_store(probe_url, s3)
             report.probe = probe_store(store, probe_size)
-            report.checks.append(Check("probe", "ok", f"round trip through {store.describe()} verified"))
+            report.checks.append(Check("probe", "ok", f"round trip through {redact_url(store.describe())} verified"))
         except LingctlError as err:
-            report.checks.append(Check("probe", "fail", err.message, error=err))
+            report.checks.append(_failed("probe", err))
     return report

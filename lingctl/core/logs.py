@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from lingctl.core.names import printable
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -17,6 +19,19 @@ def level_from(verbose: int, quiet: bool) -> int:
     if quiet:
         return logging.ERROR
     return {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+
+
+class _Printable(logging.Filter):
+    """Escapes control characters in every record: messages carry object keys and paths from data, and an ESC
+    sequence or a newline in one must not rewrite the terminal or forge a log line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a malformed call: leave it to the handler's own error report
+            return True
+        record.msg, record.args = printable(message), None
+        return True
 
 
 def setup_logging(level: int = logging.WARNING) -> None:
@@ -33,6 +48,7 @@ def setup_logging(level: int = logging.WARNING) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("lingctl: %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_Printable())
     root.addHandler(handler)
     root.setLevel(level)
     # Our records stop here; botocore and friends keep their own (quiet) defaults.

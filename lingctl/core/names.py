@@ -53,17 +53,17 @@ def check_relative(name: object, *, what: str = "name") -> str:
         raise UnsafeNameError(f"{what}: {name!r} is not a file name")
     shown = printable(name)
     if name.startswith("/") or name.startswith("\\"):
-        raise UnsafeNameError(f"{what}: {shown!r} is an absolute path; only names inside the directory are allowed")
+        raise UnsafeNameError(f"{what}: '{shown}' is an absolute path; only names inside the directory are allowed")
     if any(_control(ch) for ch in name):
-        raise UnsafeNameError(f"{what}: {shown!r} holds control characters")
+        raise UnsafeNameError(f"{what}: '{shown}' holds control characters")
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in name):
-        raise UnsafeNameError(f"{what}: {shown!r} is not valid text (lone surrogate)")
+        raise UnsafeNameError(f"{what}: '{shown}' is not valid text (lone surrogate)")
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise UnsafeNameError(f"{what}: {shown!r} has an empty, '.' or '..' segment; it could leave its directory")
+        raise UnsafeNameError(f"{what}: '{shown}' has an empty, '.' or '..' segment; it could leave its directory")
     encoded = name.encode("utf-8")
     if len(encoded) > MAX_NAME_BYTES or any(len(p.encode("utf-8")) > MAX_SEGMENT_BYTES for p in parts):
-        raise UnsafeNameError(f"{what}: {shown[:80]!r}... is too long for a file name")
+        raise UnsafeNameError(f"{what}: '{shown[:80]}...' is too long for a file name")
     return name
 
 
@@ -74,5 +74,5 @@ def join_under(base: Path | str, name: object, *, what: str = "name") -> Path:
     joined = base / rel
     # Belt and braces: the checks above already exclude every way out; this states the promise.
     if os.path.commonpath([os.path.abspath(base), os.path.abspath(joined)]) != os.path.abspath(base):
-        raise UnsafeNameError(f"{what}: {printable(rel)!r} leaves {base}")
+        raise UnsafeNameError(f"{what}: '{printable(rel)}' leaves {base}")
     return joined

@@ -17,7 +17,7 @@ import pytest
 
 from lingctl.babel import s3_listing
 from lingctl.babel.listing import Listed, ListStats, list_tree
-from lingctl.core.atomic import TMP_MARKER
+from lingctl.core.atomic import TMP_MARKER, tmp_path as atomic_tmp_path
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
@@ -62,7 +62,10 @@ def local_tree(tmp_path: Path) -> tuple[Path, dict[str, os.stat_result]]:
     (root / ".lingctl-babel" / "journal").write_bytes(b"state")
     (root / "a" / ".lingctl-babel").mkdir()  # skipped at any depth
     (root / "a" / ".lingctl-babel" / "x").write_bytes(b"state")
-    (root / "a" / f".f001.bin{TMP_MARKER}abc123").write_bytes(b"half-written")
+    atomic_tmp_path(root / "a" / "f001.bin").write_bytes(b"half-written")  # an unfinished write: left out
+    user_file = root / "a" / f"notes{TMP_MARKER}keep.txt"  # merely holds the marker: a user's file like any other
+    user_file.write_bytes(b"mine")
+    expected[f"a/notes{TMP_MARKER}keep.txt"] = user_file.stat()
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"secret")
     (root / "link-in").symlink_to(root / "a" / "f001.bin")

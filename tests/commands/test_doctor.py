@@ -102,3 +102,28 @@ def test_probe_below_a_file_is_a_one_line_error(lingctl, tmp_path) -> None:
     assert r.returncode == 2
     assert "not a directory" in one_line_error(r.stderr)
     assert (tmp_path / "file.txt").read_text() == "keep me"
+
+
+def test_endpoint_password_is_not_in_the_report_or_the_error(lingctl, s3_env, s3_server, s3_bucket) -> None:
+    with_password = s3_server.endpoint.replace("http://", "http://admin:hunter2@")
+    r = lingctl("doctor", "--json", "--endpoint-url", with_password, "--probe", f"s3://{s3_bucket}/p",
+                "--probe-size", "4KiB", env=s3_env)
+    assert r.returncode == 0, r.stderr
+    assert "hunter2" not in r.stdout + r.stderr and "admin" not in r.stdout
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["s3"]["data"]["endpoint"] == s3_server.endpoint  # the password is dropped, the server found
+    assert checks["probe"]["status"] == "ok"
+
+
+def test_library_check_redacts_an_endpoint_it_is_given(s3_env) -> None:
+    # Library callers pass S3Options straight in: the check itself must not show the password either.
+    from lingctl.core.doctor import check_s3_endpoint
+    from lingctl.core.storage import S3Options
+
+    check = check_s3_endpoint(S3Options(endpoint_url=f"http://admin:hunter2@127.0.0.1:{free_port()}",
+                                        max_attempts=1, connect_timeout=2))
+    assert check.status == "fail" and check.error is not None and check.error.exit_code == 5
+    assert "could not reach S3 endpoint http://***@127.0.0.1:" in check.detail
+    assert "hunter2" not in check.detail + check.error.message + json.dumps(check.to_json())
+    broken = check_s3_endpoint(S3Options(endpoint_url="http://[::1"))
+    assert broken.status == "fail" and broken.error is not None and broken.error.exit_code == 2

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from lingctl.core.errors import UsageError
-from lingctl.core.storage import StoreURL, parse_url
+from lingctl.core.storage import StoreURL, check_key, parse_url
+from lingctl.core.storage.url import check_endpoint_url, redact_url
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -46,3 +47,61 @@ def test_join_and_str() -> None:
     assert parse_url("/tmp/x").join("y").path == Path("/tmp/x/y")
     with pytest.raises(ValueError):
         root.path  # noqa: B018
+
+
+# -- keys -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["a", "dir/file", "with space+plus", "ünï/日本語", "a..b"])
+def test_check_key_accepts_relative_names(key: str) -> None:
+    assert check_key(key) == key
+
+
+@pytest.mark.parametrize("key, reason", [
+    ("", "not a file name"), ("/abs", "absolute"), ("a/", "segment"), ("a//b", "segment"), ("../x", "segment"),
+    ("a/./b", "segment"), ("nul\x00", "control"), ("esc\x1b[31m", "control"), ("new\nline", "control"),
+    ("x" * 256, "too long"),
+])
+def test_check_key_follows_the_shared_name_rules_as_usage_errors(key: str, reason: str) -> None:
+    with pytest.raises(UsageError, match=reason) as info:
+        check_key(key)
+    assert info.value.exit_code == 2
+    assert info.value.message.startswith("invalid object key")
+    assert "\x1b" not in info.value.message and "\n" not in info.value.message
+
+
+# -- endpoints and redaction ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, shown", [
+    ("http://user:hunter2@127.0.0.1:9000", "http://***@127.0.0.1:9000"),
+    ("https://AKIA:se/cr@t@host/path", "https://***@host/path"),  # '/' and '@' inside the password
+    ("could not reach http://u:hunter2@h:1 (x); also https://h2?token=hunter2&b=1",
+     "could not reach http://***@h:1 (x); also https://h2?token=***&b=1"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=hunter2&X-Amz-Security-Token=t",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***"),
+    ("s3://bucket/mail@example.com/x", "s3://bucket/mail@example.com/x"),  # an '@' in a key is not a secret
+    ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
+    ("http://h/\x1b[2Jx\n", "http://h/\\x1b[2Jx\\n"),
+])
+def test_redact_url(text: str, shown: str) -> None:
+    assert redact_url(text) == shown
+    assert "hunter2" not in redact_url(text)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("http://127.0.0.1:9000/", "http://127.0.0.1:9000"),
+    ("https://s3.example.com", "https://s3.example.com"),
+    ("http://[::1]:9000", "http://[::1]:9000"),
+    ("http://user:hunter2@127.0.0.1:9000", "http://127.0.0.1:9000"),  # never used by S3, so never kept
+])
+def test_check_endpoint_url_accepts_and_drops_user_info(text: str, expected: str) -> None:
+    assert check_endpoint_url(text) == expected
+
+
+@pytest.mark.parametrize("text", ["http://[::1", "http://user:hunter2@h:99999", "http://h:port", "ftp://h",
+                                  "not-a-url", "http://", "http://h /x", "http://user:hun/ter2@h"])
+def test_malformed_endpoints_are_one_line_usage_errors_without_secrets(text: str) -> None:
+    with pytest.raises(UsageError, match="invalid endpoint URL") as info:
+        check_endpoint_url(text)
+    assert info.value.exit_code == 2
+    assert "hunter2" not in info.value.message and "ter2" not in info.value.message
+    assert "\n" not in info.value.message

@@ -1,7 +1,10 @@
-"""Storage URLs: ``PATH``, ``file://PATH`` and ``s3://bucket/prefix``.
+"""Storage URLs: ``PATH``, ``file://PATH`` and ``s3://bucket/prefix``; endpoint URLs; object keys.
 
 A URL names a *root*: a local directory or a bucket plus a key prefix treated as a directory (as rclone
 does), so ``s3://b/data`` and ``s3://b/data/`` are the same root and hold the key ``x`` at ``data/x``.
+
+Endpoint URLs may carry secrets a user pasted into them (``http://user:password@host``, a presigned
+query): every URL that is shown, in errors, logs or reports, goes through ``redact_url`` first.
 """
 
 from __future__ import annotations
@@ -9,13 +12,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from lingctl.core.errors import UsageError
+from lingctl.core.names import UnsafeNameError, check_relative, printable
 
 # S3's own rules, loosened to allow upper case and underscores, which some S3-compatible stores accept.
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]$")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _HINT = "use a local path, file://PATH or s3://bucket/prefix"
+# user:password@ after "scheme://" (not s3:// or file://, where an '@' belongs to a bucket, key or path):
+# everything up to the last '@' before whitespace, '?' or '#', so a password holding '/' or '@' is covered.
+_USERINFO_RE = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s?#]*@)")
+_NO_USERINFO_SCHEMES = frozenset({"s3", "s3a", "file"})
+# Query parameters whose values are secrets: presigned S3 URLs (X-Amz-Signature, X-Amz-Credential,
+# X-Amz-Security-Token, Signature, AWSAccessKeyId) and the usual password/token names.
+_SECRET_PARAM_RE = re.compile(r"([?&;])([^=&#\s]*(?:sig|token|secret|passw|pwd|credential|key|auth)[^=&#\s]*)=([^&#\s]*)",
+                              re.IGNORECASE)
+REDACTED = "***"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +94,43 @@ def parse_url(text: str) -> StoreURL:
 
 
 def check_key(key: str) -> str:
-    """A key relative to a root: '/'-separated, no empty, '.' or '..' segments, so it cannot escape the root."""
-    if not key or key.startswith("/") or key.endswith("/"):
-        raise UsageError(f"invalid object key {key!r}: keys are relative names like 'dir/file'")
-    parts = key.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise UsageError(f"invalid object key {key!r}: empty, '.' or '..' segments are not allowed")
-    if "\x00" in key:
-        raise UsageError("invalid object key: contains a NUL byte")
-    return key
+    """A key relative to a root, by ``lingctl.core.names.check_relative``'s rules: '/'-separated, no empty,
+    '.' or '..' segments, no control characters, segments short enough to be file names. So a key cannot
+    escape its root, on disk or in a mirror of it. A ``UsageError``: here keys are what a caller asked for."""
+    try:
+        return check_relative(key, what="invalid object key")
+    except UnsafeNameError as exc:
+        raise UsageError(exc.message, hint="keys are relative names like 'dir/file'") from None
+
+
+def redact_url(text: str) -> str:
+    """``text`` (a URL, or a message holding URLs) with user:password and secret query values replaced by
+    ``***``, and control characters escaped: safe to show on a terminal, in a log or in a JSON report."""
+
+    def userinfo(m: re.Match[str]) -> str:
+        scheme = m.group(1)[:-3].lower()
+        return m.group(0) if scheme in _NO_USERINFO_SCHEMES else f"{m.group(1)}{REDACTED}@"
+
+    text = _USERINFO_RE.sub(userinfo, text)
+    text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={REDACTED}", text)
+    return printable(text)
+
+
+def check_endpoint_url(text: str) -> str:
+    """An S3 endpoint as ``http(s)://host[:port][/path]`` (no trailing '/'), else a one-line ``UsageError``
+    that shows the URL redacted. User info is dropped: S3 requests are signed with the AWS credentials,
+    so a user:password in the URL is never used, and a URL without it cannot leak it later."""
+    shown = redact_url(text)
+    hint = "write it as http(s)://host[:port], e.g. http://127.0.0.1:9000"
+    if any(ch.isspace() or not ch.isprintable() for ch in text):
+        raise UsageError(f"invalid endpoint URL {shown!r}: it holds spaces or control characters", hint=hint)
+    try:
+        parts = urlsplit(text)
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError on a malformed or out-of-range port
+    except ValueError:  # an unclosed '[', a port that is not a number: the reason may quote part of a password
+        raise UsageError(f"invalid endpoint URL {shown!r}: malformed host or port", hint=hint) from None
+    if parts.scheme.lower() not in ("http", "https") or not host:
+        raise UsageError(f"invalid endpoint URL {shown!r}", hint=hint)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
