@@ -7,6 +7,11 @@ never more than --max-delete, never after a failed copy).
 
 Skipping needs no request per object: the journal remembers what babel wrote (size, source mtime, CRC,
 destination etag), so an unchanged tree re-syncs from the two listings alone.
+
+Failures are per object and the run goes on, except a full disk (``DiskFullError``), which stops it: every
+further write would fail the same way. ``SyncResult.failure`` turns the failed objects into the run's error:
+exit 4 if a copy failed verification, 1 if any failure will happen again as it stands (a refused name,
+permission denied), 5 only when every failure was one that retrying can fix.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from lingctl.babel.sampling import DEFAULT_SAMPLES
 from lingctl.babel.sides import LocalSide, Side, open_side
 from lingctl.babel.throttle import Aimd
 from lingctl.babel.transfer import Item, check_copy, copy_object, crc_of
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.atomic import sweep_stale
+from lingctl.core.errors import DiskFullError, LingctlError, RetryableError, UsageError, VerificationError
 from lingctl.core.storage import S3Options, StoreURL
 
 log = logging.getLogger(__name__)
@@ -98,8 +104,37 @@ class SyncResult:
     throttled: int = 0
     min_concurrency: int = 0
     resumed_parts: int = 0  # multipart parts of an interrupted run that were kept, not sent again
+    # Copies started over: the source changed under a pinned read, or the server forgot the upload.
+    restarts: int = 0
+    removed_temp_files: int = 0  # left by a previous run that did not end (kill -9, a crash)
     seconds: float = 0.0
     journal: str = ""
+
+    def failure(self) -> LingctlError | None:
+        """The error this run ends with, if any object failed: exit 4 when a copy failed verification; 1
+        when a failure will recur as it stands (its message says so); 5 only when every failure is one that
+        running the same command again can fix."""
+        failed = [f for f in self.failed if f.get("kind") != "held"]
+        if not failed:
+            return None
+        count = f"{len(self.failed)} object(s) failed"
+
+        def first(kind: str) -> str:
+            f = next(f for f in failed if f.get("kind") == kind)
+            return f"{f['key']}: {f['error']}"
+
+        kinds = {f.get("kind") for f in failed}
+        if "verify" in kinds:
+            return VerificationError(f"{count}; first to fail verification: {first('verify')}",
+                                     hint="a copy that differs is copied again by the same command (if that "
+                                          "recurs, check the destination's storage); a refused name fails "
+                                          "again until the source object is renamed")
+        if "error" in kinds:
+            return LingctlError(f"{count}; this failure will happen again as it stands: {first('error')}",
+                                hint="fix its cause (name, permission, space), then run the same command again; "
+                                     "finished objects are kept")
+        return RetryableError(f"{count}; first: {first('retryable')}",
+                              hint="run the same command again: finished objects and parts are kept")
 
 
 Progress = Callable[[str, int], None]  # ("listed" | "queued" | "copied" | "bytes", amount)
@@ -119,6 +154,7 @@ class Syncer:
                                  verify_mode=opts.verify)
         self._lock = threading.Lock()
         self._heads = 0
+        self._fatal: DiskFullError | None = None  # a full disk stops the run: every further write would fail
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> SyncResult:
@@ -135,13 +171,26 @@ class Syncer:
         # A dry run creates nothing: without a journal yet it plans against an empty one in memory.
         self.journal = Journal(None if opts.dry_run and not journal_path.exists() else journal_path)
         self.result.journal = str(journal_path)
+        if not opts.dry_run:
+            try:
+                unfinished = self.journal.begin_run()
+            except LingctlError:
+                self.journal.close()
+                raise
+            if unfinished and isinstance(self.dst, LocalSide):
+                # Only after a run that did not end: a walk of the whole destination is not free.
+                removed = sweep_stale(self.dst.root, skip_dirs={STATE_DIR_NAME})
+                self.result.removed_temp_files = len(removed)
+                if removed:
+                    log.info("removed %d temporary file(s) left by an earlier run", len(removed))
         index = ListingIndex()
         src_seen = ListingIndex() if opts.delete else None
+        ended = False
         try:
             stats = ListStats()
             if not isinstance(self.dst, LocalSide) or self.dst.root.is_dir():
                 for batch in list_tree(self.dst_url, self.s3, jobs=opts.jobs, stats=stats,
-                                       skip_dirs=frozenset({STATE_DIR_NAME})):
+                                       skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable):
                     index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
             self.result.listed_destination = index.count
             self.known = self.journal.all_done()
@@ -152,15 +201,17 @@ class Syncer:
                 window = threading.BoundedSemaphore(opts.jobs * 4)  # listing runs ahead of copying, not unbounded
                 futures: list[Future[Any]] = []
                 for batch in list_tree(self.src_url, self.s3, jobs=opts.jobs, stats=stats,
-                                       skip_dirs=frozenset({STATE_DIR_NAME})):
+                                       skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable):
                     self.result.listed_source += len(batch)
                     self.progress("listed", len(batch))
                     if src_seen is not None:
                         src_seen.add_many((e.key, e.size, e.mtime, None) for e in batch)
+                    if self._fatal is not None:
+                        break
                     for e in batch:
                         if not self.filter(e.key):
                             continue
-                        item = Item(e.key, e.size, e.mtime)
+                        item = Item(e.key, e.size, e.mtime, e.etag)
                         if not self._needs_copy(item, index.get(e.key)):
                             self.result.skipped += 1
                             continue
@@ -179,24 +230,33 @@ class Syncer:
                             futures = self._reap(futures)  # a huge sync must not keep a future per object
                 for fut in futures:
                     fut.result()
-                if deferred:
+                if deferred and self._fatal is None:
                     if self.result.failed:
                         for item in deferred:
                             self.result.failed.append({"key": item.key, "error": "held back: other objects failed, "
-                                                       "so the commit-last object was not copied"})
+                                                       "so the commit-last object was not copied", "kind": "held"})
                     else:
                         for item in deferred:  # after everything else is copied and verified
                             self.progress("queued", item.size)
                             self._copy(item)
+            if self._fatal is not None:
+                raise self._fatal
             self.result.list_requests = stats.requests
             if opts.delete:
                 assert src_seen is not None
                 self._delete(index, src_seen)
+            if not opts.dry_run:
+                self.journal.end_run()
+            ended = True
         finally:
             index.close()
             if src_seen is not None:
                 src_seen.close()
-            self.journal.close()
+            try:
+                self.journal.close()
+            except LingctlError:
+                if ended:
+                    raise  # else an error already on its way (a full disk) says more than the journal's
         counters = [s.retrier.counters for s in (self.src, self.dst) if hasattr(s, "retrier")]
         self.result.requests = sum(c.requests for c in counters) + self.result.list_requests
         self.result.retries = sum(c.retries for c in counters) + stats.retries
@@ -269,14 +329,25 @@ class Syncer:
 
     # -- doing ----------------------------------------------------------------------------------------
     def _copy(self, item: Item) -> None:
+        if self._fatal is not None:
+            return  # the disk is full: this copy would fail the same way
         try:
-            done = copy_object(self.src, self.dst, item, journal=self.journal, part_size=self.opts.part_size,
-                               parts_pool=self._parts, on_resumed=self._count_resumed)
+            item, done = copy_object(self.src, self.dst, item, journal=self.journal, part_size=self.opts.part_size,
+                                     parts_pool=self._parts, on_resumed=self._count_resumed,
+                                     on_restart=self._count_restart)
             self.journal.mark_done(item.key, done)
             check_copy(self.src, self.dst, item, done, self.opts.verify, self.opts.samples)
+        except DiskFullError as exc:
+            with self._lock:
+                self._fatal = self._fatal or exc
+            return
         except LingctlError as exc:
             log.warning("%s: %s", item.key, exc)
-            self.journal.forget(item.key)
+            try:
+                self.journal.forget(item.key)
+            except DiskFullError as full:
+                with self._lock:
+                    self._fatal = self._fatal or full
             with self._lock:
                 self.result.failed.append({"key": item.key, "error": str(exc),
                                            "kind": "verify" if exc.exit_code == 4 else
@@ -290,9 +361,20 @@ class Syncer:
         self.progress("copied", 1)
         self.progress("bytes", item.size)
 
+    def _unreadable(self, path: str, err: LingctlError) -> None:
+        """A directory either listing could not read: the rest goes on, the run fails (exit 1), and since
+        the listing is incomplete, nothing is deleted (``_delete`` runs only when nothing failed)."""
+        log.warning("%s", err)
+        with self._lock:
+            self.result.failed.append({"key": path, "error": f"could not be listed: {err}", "kind": "error"})
+
     def _count_resumed(self, n: int) -> None:
         with self._lock:
             self.result.resumed_parts += n
+
+    def _count_restart(self, n: int) -> None:
+        with self._lock:
+            self.result.restarts += n
 
     def _delete(self, index: ListingIndex, src_seen: ListingIndex) -> None:
         doomed = [k for k, _ in index.items() if self.filter(k) and k not in src_seen]

@@ -17,13 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lingctl.core.errors import LingctlError
+from lingctl.core.errors import LingctlError, RetryableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                              "ServiceUnavailable", "503"})
+
+
+class RestartError(RetryableError):
+    """Retryable, but not by sending the same request again: the whole object's copy must start over (its
+    source changed under a pinned read, or the server forgot the multipart upload). The retrier passes it
+    straight up to the copy, which restarts it a bounded number of times."""
 
 
 @dataclass(slots=True)
@@ -100,7 +106,7 @@ class Retrier:
             except Exception as exc:
                 throttled = is_throttle(exc)
                 err = exc if isinstance(exc, LingctlError) else self.translate(exc, what, attempt)
-                if not (err.retryable or throttled) or attempt == self.attempts:
+                if isinstance(err, RestartError) or not (err.retryable or throttled) or attempt == self.attempts:
                     raise err from exc
                 with self._lock:
                     self.counters.retries += 1

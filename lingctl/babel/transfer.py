@@ -4,10 +4,16 @@ Small objects go in one request. Larger ones are cut into parts whose size adapt
 ``MAX_PARTS`` parts), read and written in parallel; the part CRCs are combined into the full-object CRC
 (CRC combination, so parts need not be hashed in order). On an S3 destination the journal records each
 finished part, so a re-run continues a half-done upload instead of starting it again.
+
+Every read of one copy is pinned to the source version that was listed (``sides.Version``), so a source
+overwritten during the copy never yields a mix of two versions: the copy starts again from the new version,
+at most ``SOURCE_ATTEMPTS`` times. A multipart upload the server has forgotten (restarted, or aborted by a
+lifecycle rule) is started again under a new id, at most ``UPLOAD_ATTEMPTS`` times.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,13 +21,19 @@ from dataclasses import dataclass
 
 from lingctl.babel.journal import Done, Journal, Upload
 from lingctl.babel.sampling import sample_ranges
-from lingctl.babel.sides import Side
+from lingctl.babel.sides import Side, SourceChangedError, UploadGoneError, Version
 from lingctl.core.checksum import Crc64, crc64_bytes
 from lingctl.core.errors import RetryableError, VerificationError
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PART = 8 * MiB
 MAX_PARTS = 1000  # S3 allows 10,000; fewer, larger parts keep per-request overhead low
+# Copies of one object started over because its source changed under them (then the object is reported
+# as changing: exit 5, a later run copies it once it holds still), or because its upload was forgotten.
+SOURCE_ATTEMPTS = 3
+UPLOAD_ATTEMPTS = 3
 
 
 def part_size_for(size: int, requested: int | None) -> int:
@@ -36,32 +48,76 @@ class Item:
     key: str
     size: int
     mtime: float
+    etag: str | None = None  # the source's ETag as listed (S3 sources)
+
+    @property
+    def version(self) -> Version:
+        return Version(self.size, self.mtime, self.etag)
+
+
+Notify = Callable[[int], None]
 
 
 def copy_object(src: Side, dst: Side, item: Item, *, journal: Journal, part_size: int | None,
-                parts_pool: ThreadPoolExecutor, on_resumed: Callable[[int], None] | None = None) -> Done:
-    """Copy ``item``; returns what the journal records for it. Raises on failure (nothing half-visible)."""
+                parts_pool: ThreadPoolExecutor, on_resumed: Notify | None = None,
+                on_restart: Notify | None = None) -> tuple[Item, Done]:
+    """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
+    the copy) and what the journal records for it. Raises on failure (nothing half-visible)."""
+    for attempt in range(1, SOURCE_ATTEMPTS + 1):
+        try:
+            return item, _copy_version(src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart)
+        except SourceChangedError as exc:
+            if attempt == SOURCE_ATTEMPTS:
+                raise SourceChangedError(f"{item.key}: the source changed during each of {SOURCE_ATTEMPTS} "
+                                         f"attempts to copy it ({exc}); nothing was written",
+                                         hint="run the same command again once the source holds still") from exc
+            now = src.version(item.key)
+            if now is None:
+                raise RetryableError(f"{item.key}: the source was removed during the copy; nothing was written",
+                                     hint="run the same command again: it no longer lists this object") from exc
+            log.info("%s: %s; copying the new version", item.key, exc)
+            item = Item(item.key, now.size, now.mtime, now.etag)
+            if on_restart is not None:
+                on_restart(1)
+    raise AssertionError("unreachable")
+
+
+def _copy_version(src: Side, dst: Side, item: Item, journal: Journal, part_size: int | None,
+                  pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None) -> Done:
     psize = part_size_for(item.size, part_size)
     if item.size <= psize:
-        data = src.read(item.key)
+        data = src.read(item.key, pin=item.version)
         if len(data) != item.size:
-            raise RetryableError(f"{item.key}: source changed during the copy ({len(data)} bytes, listed {item.size})")
+            raise SourceChangedError(f"{item.key}: {len(data)} bytes read, {item.size} listed")
         crc = crc64_bytes(data)
         etag, dst_mtime = dst.put(item.key, data, crc, item.mtime)
         return Done(item.size, item.mtime, crc.tagged(), etag, dst_mtime)
-    return _copy_multipart(src, dst, item, psize, journal, parts_pool, on_resumed)
+    for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        try:
+            return _copy_multipart(src, dst, item, psize, journal, pool, on_resumed)
+        except UploadGoneError as exc:
+            # Forget the dead id (its parts went with it) so this attempt, or the next run, starts a new one.
+            journal.end_upload(item.key, None)
+            if attempt == UPLOAD_ATTEMPTS:
+                raise
+            log.info("%s: %s; starting a new upload", item.key, exc)
+            if on_restart is not None:
+                on_restart(1)
+    raise AssertionError("unreachable")
 
 
 def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journal,
-                    pool: ThreadPoolExecutor, on_resumed: Callable[[int], None] | None) -> Done:
+                    pool: ThreadPoolExecutor, on_resumed: Notify | None) -> Done:
     key = item.key
+    pin = item.version
     count = math.ceil(item.size / psize)
     # The source's own full CRC, when it has one, is recorded with the new object from the start (multipart
     # metadata cannot be added later) and checked against the parts' combined CRC before completing.
-    expected = src.crc_tag(key)
+    expected = _recorded_crc(src, item)
     upload = journal.upload(key) if dst.resumable_uploads else None
     finished: dict[int, tuple[str, int, int]] = {}
-    if upload is not None and (upload.size, upload.src_mtime, upload.part_size) == (item.size, item.mtime, psize):
+    if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == \
+            (item.size, item.mtime, psize, item.etag):
         finished = journal.parts(key, upload.upload_id)
         upload_id = upload.upload_id
         if on_resumed is not None:
@@ -71,12 +127,12 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
             dst.abort(key, upload.upload_id)
         upload_id = dst.create_upload(key, item.size, item.mtime, expected)
         if dst.resumable_uploads:
-            journal.start_upload(key, Upload(upload_id, item.size, item.mtime, psize))
+            journal.start_upload(key, Upload(upload_id, item.size, item.mtime, psize, item.etag))
 
     def one(number: int) -> tuple[int, str, Crc64]:
         offset = (number - 1) * psize
         length = min(psize, item.size - offset)
-        data = src.read(key, offset, length)
+        data = src.read(key, offset, length, pin=pin)
         if len(data) != length:
             raise RetryableError(f"{key}: short read of part {number} ({len(data)} of {length} bytes)")
         crc = crc64_bytes(data)
@@ -90,9 +146,12 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
     try:
         for number, etag, crc in pool.map(one, todo):
             results[number] = (etag, crc)
-    except BaseException:
+    except BaseException as exc:
         if not dst.resumable_uploads:
             dst.abort(key, upload_id)  # a local temporary file is not worth keeping
+        elif isinstance(exc, SourceChangedError):
+            dst.abort(key, upload_id)  # its parts are of a version that no longer exists
+            journal.end_upload(key, None)
         raise
     total = Crc64()
     for n in range(1, count + 1):
@@ -103,7 +162,13 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
             journal.end_upload(key, None)
         raise RetryableError(f"{key}: the parts read add up to {total.tagged()}, but the source records "
                              f"{expected}; the source changed during the copy (nothing was completed)")
-    etag, dst_mtime = dst.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)], item.mtime)
+    try:
+        etag, dst_mtime = dst.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)],
+                                       item.mtime)
+    except BaseException:
+        if not dst.resumable_uploads:
+            dst.abort(key, upload_id)
+        raise
     done = Done(item.size, item.mtime, total.tagged(), etag, dst_mtime)
     if dst.resumable_uploads:
         journal.end_upload(key, done)
@@ -116,9 +181,19 @@ RANGE_THREADS = 4
 FULL_CHUNK = 8 * MiB
 
 
-def _range_crcs(side: Side, key: str, ranges: list[tuple[int, int]]) -> list[Crc64]:
+def _recorded_crc(src: Side, item: Item) -> str | None:
+    """The source's recorded full CRC, if it has one, of the pinned version only."""
+    if item.etag is None:
+        return src.crc_tag(item.key)
+    head = src.head(item.key)  # the HEAD that carries the CRC must describe the version being copied
+    if head is None or head.etag != item.etag or head.size != item.size:
+        raise SourceChangedError(f"{item.key}: the object was overwritten or removed before the copy")
+    return head.crc
+
+
+def _range_crcs(side: Side, key: str, ranges: list[tuple[int, int]], pin: Version | None = None) -> list[Crc64]:
     def one(r: tuple[int, int]) -> Crc64:
-        return crc64_bytes(side.read(key, r[0], r[1]))
+        return crc64_bytes(side.read(key, r[0], r[1], pin=pin))
 
     if len(ranges) <= 1:
         return [one(r) for r in ranges]
@@ -126,36 +201,43 @@ def _range_crcs(side: Side, key: str, ranges: list[tuple[int, int]]) -> list[Crc
         return list(pool.map(one, ranges))
 
 
-def crc_of(side: Side, key: str, size: int) -> Crc64:
+def crc_of(side: Side, key: str, size: int, pin: Version | None = None) -> Crc64:
     """The whole object's CRC64NVME, its chunks read in parallel and combined in order."""
     total = Crc64()
     ranges = [(o, min(FULL_CHUNK, size - o)) for o in range(0, size, FULL_CHUNK)]
-    for crc in _range_crcs(side, key, ranges):
+    for crc in _range_crcs(side, key, ranges, pin):
         total.extend(crc)
     return total
 
 
 def compare(src: Side, dst: Side, key: str, size: int, mode: str, *, samples: int,
-            expected: str | None = None) -> tuple[str, str] | None:
+            expected: str | None = None, pin: Version | None = None) -> tuple[str, str] | None:
     """None when the two sides agree, else (source detail, destination detail). ``sampled`` compares the
-    CRCs of the same deterministic ranges on both sides; ``full`` the whole-object CRCs."""
+    CRCs of the same deterministic ranges on both sides; ``full`` the whole-object CRCs. Source reads are
+    pinned to ``pin`` when given (``SourceChangedError`` if the source is no longer that version)."""
     if mode == "full":
         b = crc_of(dst, key, size)
-        a_tag = expected or crc_of(src, key, size).tagged()
+        a_tag = expected or crc_of(src, key, size, pin).tagged()
         if b.length != size:
             return a_tag, f"{b.length} bytes"
         return None if a_tag == b.tagged() else (a_tag, b.tagged())
     ranges = sample_ranges(key, size, samples=samples)
-    for (offset, length), a, b in zip(ranges, _range_crcs(src, key, ranges), _range_crcs(dst, key, ranges)):
+    for (offset, length), a, b in zip(ranges, _range_crcs(src, key, ranges, pin), _range_crcs(dst, key, ranges)):
         if a.value != b.value or a.length != b.length:
             return (f"range {offset}+{length} {a.tagged()}", f"range {offset}+{length} {b.tagged()}")
     return None
 
 
 def check_copy(src: Side, dst: Side, item: Item, done: Done, mode: str, samples: int) -> None:
+    """Compare the destination with the version of the source that was copied. ``full``: the destination's
+    bytes, read back, against ``done.crc``, the CRC of source bytes that all came from ``item``'s version
+    (pinned reads; multipart copies also matched the source's recorded CRC of that version). ``sampled``:
+    the same ranges of both sides, the source's pinned to that version, so a source changed since the copy
+    is reported as changed (retryable), not as a damaged copy."""
     if mode == "none":
         return
-    diff = compare(src, dst, item.key, item.size, mode, samples=samples, expected=done.crc if mode == "full" else None)
+    diff = compare(src, dst, item.key, item.size, mode, samples=samples,
+                   expected=done.crc if mode == "full" else None, pin=item.version)
     if diff is not None:
         raise VerificationError(f"{item.key}: destination differs from the source after the copy: "
                                 f"source {diff[0]}, destination {diff[1]}")

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from lingctl.core.atomic import TMP_MARKER, atomic_write
+from lingctl.core.atomic import atomic_write, is_tmp_name
 from lingctl.core.checksum import Crc64, crc64_bytes, crc64_file
 from lingctl.core.errors import AccessDeniedError, NotFoundError, UsageError, os_error
 from lingctl.core.storage.base import ObjectInfo, ObjectStore
@@ -62,7 +62,7 @@ class LocalStore(ObjectStore):
             raise os_error(exc, str(directory)) from exc
         keyed = []
         for entry in entries:
-            if TMP_MARKER in entry.name:
+            if is_tmp_name(entry.name):  # an unfinished atomic write; a user's name holding the marker is listed
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False):

@@ -134,6 +134,10 @@ def translate(exc: Exception, what: str, endpoint: str, attempts: int) -> Lingct
             f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({type(exc).__name__})",
             hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
         )
+    if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
+        # A connection that broke mid-request or mid-body (reset, truncated stream): a new request can work.
+        return RetryableError(f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) "
+                              f"({type(exc).__name__})")
     if isinstance(exc, bx.FlexibleChecksumError):  # botocore checked S3's own checksum field on a GET
         return VerificationError(f"checksum mismatch for {what} at {where}: {exc}",
                                  hint="the stored object is damaged; nothing was written")
@@ -145,6 +149,11 @@ def translate(exc: Exception, what: str, endpoint: str, attempts: int) -> Lingct
         # HeadBucket answers a bare 404 without a code; ``what`` is then the bucket name alone.
         if code == "NoSuchBucket" or (status == 404 and "/" not in what):
             return NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}")
+        if code == "NoSuchUpload":
+            return NotFoundError(f"{what}: the multipart upload no longer exists at {where} (aborted, or the "
+                                 "server restarted)", hint="run the same command again to start a new upload")
+        if code == "PreconditionFailed" or status == 412:
+            return RetryableError(f"{what}: the object changed at {where} while it was being read")
         if code in ("NoSuchKey", "NotFound", "404") or status == 404:
             return NotFoundError(f"{what}: not found at {where}")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AuthorizationHeaderMalformed",
