@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.checksum import Crc64, crc64_bytes, crc64_file, tag_from_b64
@@ -31,7 +30,7 @@ from lingctl.core.errors import (
     os_error,
 )
 from lingctl.core.storage.base import ObjectInfo, ObjectStore
-from lingctl.core.storage.url import StoreURL, check_key
+from lingctl.core.storage.url import StoreURL, check_endpoint_url, check_key
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +60,9 @@ class S3Options:
         endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if not endpoint:
             return None
-        parsed = urlparse(endpoint)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise UsageError(f"invalid endpoint URL {endpoint!r}", hint="write it as http(s)://host[:port]")
-        try:
-            parsed.port  # noqa: B018 - raises ValueError on a malformed port
-        except ValueError:
-            raise UsageError(f"invalid port in endpoint URL {endpoint!r}") from None
-        return endpoint.rstrip("/")
+        # Validated and stripped of any user:password (never used: requests are signed), so no message or
+        # report built from it can leak one, whoever calls the library.
+        return check_endpoint_url(endpoint)
 
     def validate(self) -> None:
         if self.max_attempts < 1:
