@@ -4,7 +4,8 @@
 planner decided) into the node-local cache at local-disk speed and returns; the uploader copies it to the
 destination in the background, the commit marker last. A local or shared-filesystem destination without a
 cache dir is written in place. ``load`` reads through ``tier.resolve_for_read``: the local copy when it is
-complete and verified, else what the remote holds.
+complete and verified, else what the remote holds; then through ``safe_reader.SafeReader``, so that nothing in
+the checkpoint runs as code.
 
 Errors that DCP collects from all ranks come back as one ``CheckpointException``; the first lingctl error in
 it is re-raised as itself, so the command line shows one line, not every rank's traceback.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 import warnings
 from collections.abc import Iterator
@@ -26,10 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lingctl.core.errors import LingctlError
+from lingctl.core.errors import LingctlError, VerificationError
 from lingctl.core.storage import S3Options, parse_url
 from lingctl.pcache import tier
 from lingctl.pcache.planner import DEFAULT_CHUNK_BYTES, PCacheSavePlanner, PlanSummary
+from lingctl.pcache.safe_reader import SafeReader, refusal_reason
 from lingctl.pcache.throttle import NodeThrottle
 from lingctl.pcache.topology import Topology
 from lingctl.pcache.writer import DEFAULT_BUFFER_BYTES, PCacheWriter
@@ -64,6 +67,11 @@ def _unwrap(exc: CheckpointException) -> Exception:
     for failure in failures:
         if isinstance(failure, LingctlError):
             return failure
+    for failure in failures:
+        if isinstance(failure, pickle.UnpicklingError):  # torch.load(weights_only=True) refused a tensor record
+            return VerificationError(f"checkpoint data refused on rank(s) {sorted(exc.failures)}: "
+                                     f"{refusal_reason(failure)}",
+                                     hint="the checkpoint was tampered with; do not use it")
     first = failures[0] if failures else exc
     return LingctlError(f"checkpoint failed on rank(s) {sorted(exc.failures)}: {type(first).__name__}: {first}")
 
@@ -121,21 +129,49 @@ def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path
 def load(state_dict: dict[str, Any], source: str | Path, *, cache_dir: Path | str | None = None,
          s3: S3Options | None = None, process_group: Any = None) -> Path:
     """Load ``state_dict`` in place from a checkpoint (any world size; DCP reshards). Returns the local
-    directory read. With an s3:// source, one rank per node brings the files into the cache first."""
+    directory read. With an s3:// source, one rank per node brings the files into the cache first.
+
+    Nothing from the checkpoint runs as code, and nothing unverified is read: one rank per node checks every
+    file against the marker (size and CRC64NVME, all bytes) and every rank learns the outcome; ``.metadata``
+    is checked again on the bytes that are unpickled, through an unpickler that builds only DCP's metadata
+    classes, and other non-tensor items load with ``weights_only=True`` (``safe_reader``). A file that fails
+    is a ``VerificationError`` (exit code 4) naming it.
+    """
     url = str(source)
     parsed = parse_url(url)
-    if parsed.is_s3:
-        local = tier.cache_path(url, cache_dir)
-        multi = dist.is_available() and dist.is_initialized()
-        if not multi or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-            tier.resolve_for_read(url, cache_dir=local, s3=s3, exact=True)
-        if multi:
-            dist.barrier(group=process_group)
-    else:
-        local = tier.resolve_for_read(url, cache_dir=None, s3=s3)
+    local = tier.cache_path(url, cache_dir) if parsed.is_s3 else parsed.path.absolute()
+    multi = dist.is_available() and dist.is_initialized()
+    failure: LingctlError | None = None
+    if not multi or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        try:
+            tier.resolve_for_read(url, cache_dir=local if parsed.is_s3 else None, s3=s3, exact=True)
+        except LingctlError as exc:
+            failure = exc
+    if multi:
+        failure = _first_failure(failure, process_group)  # also the barrier: nobody reads before it is checked
+    if failure is not None:
+        raise failure
+    marker = tier.read_marker(local)
+    if marker is None:  # removed since it was verified
+        raise VerificationError(f"{local}: incomplete checkpoint (no {tier.MARKER})")
+    reader = SafeReader(local, files=marker["files"])
+    reader.read_metadata()  # here, so that a refusal is raised as itself rather than inside DCP's collectives
     try:
         with _quiet_single_process():
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(local)), process_group=process_group)
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:
         raise _unwrap(exc) from None
     return local
+
+
+def _first_failure(mine: LingctlError | None, group: Any) -> LingctlError | None:
+    """The first failure any rank of ``group`` had (this one's own if it had one), so that all raise together."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, None if mine is None else (type(mine), mine.message, mine.hint), group=group)
+    if mine is not None:
+        return mine
+    for failure in everyone:
+        if failure is not None:
+            kind, message, hint = failure
+            return kind(message, hint=hint)
+    return None

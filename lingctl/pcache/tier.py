@@ -37,6 +37,8 @@ from lingctl.core.storage import S3Options, StoreURL, open_store, parse_url
 from lingctl.pcache.tier_status import (
     MARKER,
     METADATA,
+    check_file_name,
+    check_files,
     parse_marker,
     read_marker,
     record,
@@ -71,7 +73,7 @@ def _bad_files(local_dir: Path, expected: dict[str, dict], names: Iterable[str],
         if want is None:
             continue  # nothing recorded to compare with (a sidecar is listed only in the marker)
         try:
-            size = (local_dir / name).stat().st_size
+            size = (local_dir / check_file_name(name, f"{local_dir}: file")).stat().st_size
         except FileNotFoundError:
             bad[name] = "missing"
             continue
@@ -149,7 +151,7 @@ def _own_files(local_dir: Path, rank: int | None) -> list[str]:
     sidecar = f"__{rank}.pcache.json"
     if sidecar in present:
         names.add(sidecar)
-        listed = _read_json(local_dir / sidecar).get("files", {})
+        listed = _sidecar_files(local_dir / sidecar)
         missing = sorted(set(listed) - present)
         if missing:
             raise NotFoundError(f"{local_dir}: {missing[0]} of rank {rank} is missing (listed in {sidecar})",
@@ -161,11 +163,16 @@ def _own_files(local_dir: Path, rank: int | None) -> list[str]:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise VerificationError(f"{path}: unreadable ({exc})", hint="the checkpoint is damaged") from None
     if not isinstance(data, dict):
         raise VerificationError(f"{path}: not a JSON object", hint="the checkpoint is damaged")
     return data
+
+
+def _sidecar_files(path: Path) -> dict[str, dict]:
+    """The files a rank's sidecar lists, each name and entry checked as a marker's are."""
+    return check_files(_read_json(path).get("files", {}), str(path))
 
 
 def _expected(local_dir: Path, marker: dict[str, Any] | None) -> dict[str, dict]:
@@ -173,7 +180,7 @@ def _expected(local_dir: Path, marker: dict[str, Any] | None) -> dict[str, dict]
     expected: dict[str, dict] = {}
     for sidecar in sorted(local_dir.glob("__*.pcache.json")):
         if TMP_MARKER not in sidecar.name:
-            expected.update(_read_json(sidecar).get("files", {}))
+            expected.update(_sidecar_files(sidecar))
     if marker is not None:
         expected.update(marker["files"])
     return expected
@@ -390,8 +397,9 @@ def fetch(remote_url: str, local_dir: Path, s3: S3Options | None = None, *, jobs
         # Until every file is right, the local directory must not look complete: marker first, then the rest.
         (local_dir / MARKER).unlink(missing_ok=True)
         for name in stale:
-            # Deleted, not overwritten in place: babel skips a file of the same size and mtime.
-            (local_dir / name).unlink(missing_ok=True)
+            # Deleted, not overwritten in place: babel skips a file of the same size and mtime. The names
+            # were checked by parse_marker (one plain segment each); checked again where they are joined.
+            (local_dir / check_file_name(name, f"{remote}/{MARKER}: file")).unlink(missing_ok=True)
         # babel's own check would compare against the bytes it just read; the marker's CRCs, checked next,
         # are the ones the writer recorded, so they also catch an object damaged at the remote.
         journal = state_dir(local_dir) / f"fetch-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
@@ -426,10 +434,12 @@ def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None =
                      exact: bool = False) -> Path:
     """The local directory to read the checkpoint at ``url`` from.
 
-    A local path is read in place (it must hold its marker). For s3:// the copy at ``cache_path(url, cache_dir)``
-    (``exact``: at ``cache_dir`` itself) is used when it is complete and verifies against its own marker (no
-    request to the remote); otherwise the missing or damaged files are fetched into it. ``cache_dir`` None:
-    ``$LINGCTL_CACHE_DIR/pcache``.
+    Whatever is returned has been verified in full: every file its marker lists (``.metadata`` among them)
+    has the recorded size and CRC64NVME. A local path is read in place (it must hold its marker; every byte
+    is read once to check it). For s3:// the copy at ``cache_path(url, cache_dir)`` (``exact``: at
+    ``cache_dir`` itself) is used when it is complete and verifies against its own marker (no request to the
+    remote); otherwise the missing or damaged files are fetched into it and checked against the remote
+    marker. ``cache_dir`` None: ``$LINGCTL_CACHE_DIR/pcache``.
     """
     parsed = parse_url(url)
     if not parsed.is_s3:
@@ -439,18 +449,36 @@ def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None =
         if read_marker(path) is None:
             raise VerificationError(f"{path}: incomplete checkpoint (no {MARKER})",
                                     hint="the save did not finish; read an earlier step")
+        problems = _read_problems(path)
+        if problems:
+            raise VerificationError(f"{path}: {problems[0]} ({len(problems)} problem(s)); refusing to load it",
+                                    hint="the checkpoint is damaged or was changed after it was saved; "
+                                         "read an earlier step")
         return path
     if not parsed.prefix:
         raise UsageError(f"{url} names a bucket, not a checkpoint", hint="give s3://bucket/path/to/checkpoint")
     local = Path(cache_dir) if exact and cache_dir is not None else cache_path(url, cache_dir)
     try:
-        problems = verify_local(local) if local.is_dir() else ["no local copy"]
-    except VerificationError as exc:  # a damaged marker: the fetch below replaces it
+        problems = _read_problems(local) if local.is_dir() else ["no local copy"]
+    except (VerificationError, UsageError) as exc:  # a damaged or unsafe marker: the fetch below replaces it
         problems = [str(exc)]
     if not problems:
         log.info("reading %s from its local copy %s", url, local)
         return local
     log.info("local copy %s of %s not usable (%s): fetching", local, url, problems[0])
     fetch(url, local, s3)
+    problems = _read_problems(local)
+    if problems:
+        raise VerificationError(f"{url}: {problems[0]}; refusing to load it",
+                                hint="the remote checkpoint is not one lingctl saved whole")
     log.info("reading %s from %s (fetched)", url, local)
     return local
+
+
+def _read_problems(local_dir: Path) -> list[str]:
+    """``verify_local`` in full, plus what a reader needs beyond it: the marker lists ``.metadata``."""
+    problems = verify_local(local_dir, mode="full")
+    marker = read_marker(local_dir)
+    if marker is not None and METADATA not in marker["files"]:
+        problems.insert(0, f"{METADATA}: not listed in {MARKER}")
+    return problems

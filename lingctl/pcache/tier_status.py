@@ -11,6 +11,8 @@ States, in the order they are decided:
 - ``incomplete``: no marker locally (a save that did not finish). Only the coordinator's node holds the
   marker, so other nodes show their copy as ``incomplete`` until it is uploaded.
 - ``local-only``: complete locally, not uploaded.
+- ``unreadable``: the local ``pcache.json`` cannot be judged: it is damaged, holds unsafe names, or was
+  written by a newer lingctl (the problem says which). Decided in place of ``incomplete``/``local-only``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from lingctl.core.atomic import TMP_MARKER, atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
+from lingctl.core.names import UnsafeNameError, check_relative, printable
 from lingctl.core.storage import ObjectStore, S3Options, open_store, parse_url
 
 log = logging.getLogger(__name__)
@@ -35,27 +38,51 @@ MARKER = "pcache.json"
 METADATA = ".metadata"
 FORMAT = "lingctl-pcache"
 STATE_DIR = ".pcache"
-STATES = ("incomplete", "local-only", "uploading", "durable", "upload-failed")
+STATES = ("incomplete", "local-only", "uploading", "durable", "upload-failed", "unreadable")
+_DAMAGED = "the checkpoint is damaged; fetch it again or pick another step"
 MAX_DEPTH = 3  # how far below the given path checkpoints are looked for: <root>/<run>/<step>/... is typical
 
 
 # -- the marker ---------------------------------------------------------------------------------------------
 
 
+def check_file_name(name: object, where: str) -> str:
+    """``name`` when it can be a file of a checkpoint directory (one plain segment), else ``UnsafeNameError``."""
+    checked = check_relative(name, what=where)
+    if "/" in checked:
+        raise UnsafeNameError(f"{where}: {printable(checked)!r} is not a file of the checkpoint directory itself")
+    return checked
+
+
+def check_files(files: object, where: str) -> dict[str, dict]:
+    """``files`` of a marker or sidecar (name -> {"size": int, "crc64nvme": str}) after checking every entry."""
+    if not isinstance(files, dict):
+        raise VerificationError(f"{where}: 'files' is not an object", hint=_DAMAGED)
+    for name, entry in files.items():
+        check_file_name(name, f"{where}: file")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        crc = entry.get("crc64nvme") if isinstance(entry, dict) else None
+        if type(size) is not int or size < 0 or not (crc is None or isinstance(crc, str)):
+            raise VerificationError(f"{where}: the entry of {printable(name)!r} is not {{size, crc64nvme}}",
+                                    hint=_DAMAGED)
+    return files
+
+
 def parse_marker(data: bytes, where: str) -> dict[str, Any]:
+    """The marker in ``data`` after checking its shape and every file name in it (``where`` names it in
+    errors): ``VerificationError`` for a damaged one, ``UnsafeNameError`` for a name that could leave the
+    directory, ``UsageError`` for a newer format version."""
     try:
         marker = json.loads(data)
-        ok = (marker.get("format") == FORMAT and isinstance(marker.get("files"), dict)
-              and all(isinstance(f.get("size"), int) for f in marker["files"].values()))
-    except (ValueError, AttributeError):
-        ok = False
-    if not ok:
-        raise VerificationError(f"{where} is not a valid {FORMAT} marker",
-                                hint="the checkpoint is damaged; fetch it again or pick another step")
+    except (ValueError, RecursionError):
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise VerificationError(f"{where} is not a valid {FORMAT} marker", hint=_DAMAGED)
     version = marker.get("version", 1)
-    if not isinstance(version, int) or version > 1:
-        raise UsageError(f"{where} has marker version {version!r}, newer than this lingctl reads (1)",
-                         hint="upgrade lingctl")
+    if type(version) is not int or version > 1:
+        raise UsageError(f"{where} has marker version {printable(repr(version))[:40]}, newer than this lingctl "
+                         "reads (1)", hint="upgrade lingctl")
+    check_files(marker.get("files"), where)
     return marker
 
 
@@ -99,9 +126,13 @@ def records(local_dir: Path) -> list[dict[str, Any]]:
     out = []
     for path in state_dir(local_dir).glob("upload-*.json"):
         try:
-            out.append(json.loads(path.read_bytes()))
-        except (OSError, ValueError):
+            rec = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):
             continue  # a note being replaced right now; the next look will see it
+        # Notes are advisory: one that is not what record() writes is skipped, never trusted.
+        if isinstance(rec, dict) and isinstance(rec.get("remote"), str) \
+                and isinstance(rec.get("updated_unix", 0), (int, float)):
+            out.append(rec)
     return sorted(out, key=lambda r: r.get("updated_unix", 0), reverse=True)
 
 
@@ -228,15 +259,21 @@ def _local_files(local_dir: Path) -> dict[str, int]:
 def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
                       s3: S3Options | None = None) -> CheckpointStatus:
     local_dir = Path(local_dir).absolute()
-    local = _local_files(local_dir)
+    unreadable = False
+    problems: list[str] = []
+    try:
+        local = _local_files(local_dir)
+    except OSError as exc:  # one directory we may not read does not end the report on the others
+        local, unreadable = {}, True
+        problems.append(f"cannot list {local_dir}: {exc.strerror or exc}")
     recs = records(local_dir)
     remote = remote or (recs[0]["remote"] if recs else None)
     st = CheckpointStatus(name=name, local_dir=local_dir, remote=remote, state="local-only", files=len(local),
-                          bytes=sum(local.values()), uploaded_bytes=0)
+                          bytes=sum(local.values()), uploaded_bytes=0, problems=problems)
     try:
         marker = read_marker(local_dir)
-    except VerificationError as exc:
-        marker = None
+    except LingctlError as exc:  # damaged, unsafe, newer or unreadable: say so, go on with the others
+        marker, unreadable = None, True
         st.problems.append(str(exc))
     # "ok" / "bad": the remote has a marker whose files match / do not; "absent": no marker there;
     # "unreachable": the remote could not be asked; None: no remote known.
@@ -255,6 +292,9 @@ def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
                     bad.insert(0, f"the remote {MARKER} is not this checkpoint's")
                 st.problems += bad
                 remote_state = "bad" if bad else "ok"
+        except VerificationError as exc:  # a damaged or hostile remote marker: the remote copy is bad
+            remote_state = "bad"
+            st.problems.append(str(exc))
         except LingctlError as exc:
             remote_state = "unreachable"
             st.problems.append(f"remote not checked: {exc}")
@@ -273,6 +313,8 @@ def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
         st.state = "upload-failed"
         if remote_state == "absent":
             st.problems.append(f"an upload finished, but the remote has no {MARKER} now")
+    elif unreadable:
+        st.state = "unreadable"
     elif marker is None:
         st.state = "incomplete"
     return st

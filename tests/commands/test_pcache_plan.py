@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
 
 from lingctl.commands.pcache import app
 from lingctl.core.errors import EXIT_USAGE, UsageError
+from lingctl.pcache.compare import MAX_RANKS
 
 BASE = ["plan", "--nodes", "2", "--ranks-per-node", "2", "--model", "small"]
 
@@ -102,6 +104,18 @@ def test_missing_topology_and_model():
     assert isinstance(result.exception, UsageError) and "model" in str(result.exception)
 
 
+def test_worlds_beyond_the_limit_are_refused_at_once(tmp_path):
+    started = time.monotonic()
+    result = invoke("plan", "--nodes", "100000", "--ranks-per-node", "1000", "--model", "tiny")
+    assert isinstance(result.exception, UsageError), result.output
+    assert "100,000,000 ranks" in str(result.exception) and f"{MAX_RANKS:,}" in str(result.exception)
+    assert time.monotonic() - started < 10  # it used to run for minutes
+    rank_map = tmp_path / "ranks.json"
+    rank_map.write_text(json.dumps([r // 8 for r in range(MAX_RANKS + 1)]))
+    result = invoke("plan", "--rank-map", str(rank_map), "--model", "tiny")
+    assert isinstance(result.exception, UsageError) and f"{MAX_RANKS + 1:,} ranks" in str(result.exception)
+
+
 def test_real_process_errors_and_json(lingctl):
     """Through ``python -m lingctl``: a bad input is one error line (and a hint) on stderr with exit code 2,
     never a traceback; a good ``--json`` run prints the plan and lingctl's is within 2% of balanced."""
@@ -109,6 +123,7 @@ def test_real_process_errors_and_json(lingctl):
     bad = [
         (["--tp", "3", "--model", "tiny"], ["tp 3", "4 ranks"]),
         (["--node-bandwidth", "1,2,3", "--model", "tiny"], ["3 bandwidth value(s)", "2 node(s)"]),
+        (["--nodes", "100000", "--ranks-per-node", "1000", "--model", "tiny"], ["100,000,000 ranks"]),
     ]
     for args, words in bad:
         r = lingctl("pcache", "plan", *topology, *args)

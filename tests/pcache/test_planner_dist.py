@@ -2,8 +2,8 @@
 
 The state is what pure data parallelism with a sharded optimizer looks like: replicated parameters (the
 same on every rank, one large enough to be split into chunks), a DTensor sharded unevenly over all ranks,
-and per-rank tensors of different sizes. Checkpoints are read back with stock ``dcp.load`` in one process
-and resharded onto 2 and 8 processes.
+and per-rank tensors of different sizes. Checkpoints are read back with stock ``dcp.load`` and with
+``pcache.load`` (its code-free reader) in one process, and resharded onto 2 and 8 processes by ``pcache.load``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lingctl.core.errors import UsageError
+from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.pcache.planner import PCacheSavePlanner
 from lingctl.pcache.throttle import NodeThrottle
@@ -75,7 +76,7 @@ def _load(rank: int, world: int, directory: str) -> dict:
                    "optim.m": distribute_tensor(torch.zeros(SHARDED), mesh, [Shard(0)])}
     if rank < 4:
         state[f"rank{rank}.extra"] = torch.zeros_like(rank_extra(rank))
-    dcp.load(state, checkpoint_id=directory)
+    pcache_load(state, directory)
     expected = distribute_tensor(sharded_full(), mesh, [Shard(0)]).to_local()
     ok_model = all(torch.equal(state["model"][k], v) for k, v in replicated().items())
     ok_extra = rank >= 4 or torch.equal(state[f"rank{rank}.extra"], rank_extra(rank))
@@ -123,6 +124,11 @@ def test_stock_dcp_load_in_one_process_equals_the_saved_state(saved: tuple[Path,
     assert torch.equal(state["optim.m"], sharded_full())
     for r in range(4):
         assert torch.equal(state[f"rank{r}.extra"], rank_extra(r))
+    again = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0,
+             "optim.m": torch.zeros(SHARDED)}
+    pcache_load(again, directory)  # the verified, code-free reader reads what stock DCP reads
+    assert again["step"] == 42 and torch.equal(again["optim.m"], sharded_full())
+    assert all(torch.equal(again["model"][k], v) for k, v in replicated().items())
 
 
 @pytest.mark.parametrize("world", [2, 8])
