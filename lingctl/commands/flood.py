@@ -44,7 +44,8 @@ def run(
     prefix_sharing: Annotated[bool, typer.Option(
         "--prefix-sharing/--no-prefix-sharing", help="Compute prompt prefixes shared by several requests once.")] = True,
     chat_template: Annotated[Path | None, typer.Option(
-        "--chat-template", help="Jinja chat template file, overriding the model's.")] = None,
+        "--chat-template", help="Jinja chat template file, overriding the model's; rendered in a sandbox with "
+                                "per-request time, size and memory limits.")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: torch's).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Read the config only; print the memory plan.")] = False,
     json: JsonOpt = False,

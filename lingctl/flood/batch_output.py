@@ -6,8 +6,8 @@ rationed to one every ``FSYNC_EVERY_S`` and one at close, since per-line fsyncs 
 generations. A crash may leave a torn last line; a resumed run cuts it and appends after the last complete
 line, so complete lines are never rewritten, reordered, lost or duplicated.
 
-The manifest (``OUT.jsonl.manifest.json``) records what produced the output (model, settings, batch file).
-A resumed run must match it, otherwise one output would mix answers from two different runs.
+The manifest (``OUT.jsonl.manifest.json``) records what produced the output (model, settings, chat template,
+batch file). A resumed run must match it, otherwise one output would mix answers from two different runs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ FSYNC_EVERY_S = 2.0
 # Manifest keys that differ between runs of the same job; compared only when listed in manifest["compare"].
 _TIMESTAMP_KEYS = frozenset({"created", "updated"})
 _OVERWRITE_HINT = "pass --resume to continue it, or choose another -o"
+_MISMATCH_HINT = "rerun with the settings of that run, or choose another -o"
+# Manifest keys whose mismatch has a more specific next step than _MISMATCH_HINT.
+_KEY_HINTS = {"chat_template_sha256": "the chat template differs: pass the --chat-template of that run (or none, "
+                                      "for the model's own), or choose another -o"}
 _SHOW_CHARS = 40
 _ABSENT = object()
 _BLANK: dict[str, Any] = {}  # the record of a blank line: kept, answers nothing
@@ -180,9 +184,13 @@ class BatchOutput:
             keys = [k for k in {**wanted, **saved} if k not in _TIMESTAMP_KEYS]
         for key in keys:
             before, now = saved.get(key, _ABSENT), wanted.get(key, _ABSENT)
+            if before is _ABSENT and now is not _ABSENT:
+                # Written by an older lingctl that did not record it: nothing shows this run matches.
+                raise UsageError(f"{self.out} was written without {key} in its manifest, so this run cannot "
+                                 f"check that it matches", hint="choose another -o")
             if before != now:
                 raise UsageError(f"{self.out} was written with {key}={_show(before)}, this run has {_show(now)}",
-                                 hint="rerun with the settings of that run, or choose another -o")
+                                 hint=_KEY_HINTS.get(key, _MISMATCH_HINT))
 
 
 def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
@@ -269,4 +277,9 @@ def _dumps(record: dict[str, Any]) -> bytes:
 
 def _show(value: Any) -> str:
     text = "(absent)" if value is _ABSENT else json.dumps(value, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: its JSON escape, so the message can be printed
+            text = json.dumps(value)
     return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 1] + "…"

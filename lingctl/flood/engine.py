@@ -3,6 +3,9 @@
 ``Engine.generate`` takes token-id requests and yields each result the moment its request finishes, so the
 caller can write it out at once. With one stage the step runs in this process; with several, micro-batches
 flow through stage processes (pipeline.py) and up to ``stages`` of them are in flight at a time.
+
+A failure that belongs to one request (sampling it, checking its stop strings) ends that request with an
+error result and the others go on; a failed forward pass ends the whole run.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class GenResult:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens read from a shared prefix instead of computed
     error: str | None = None
+    internal: bool = False  # the error is a failure while running the request, not a problem with the request
     stop_text: str | None = None  # text up to (excluding) the stop string that ended it
 
 
@@ -162,13 +166,20 @@ class Engine:
         """Run every request; yield each result as soon as it is final (completion order)."""
         started = time.monotonic()
         accepted: list[GenRequest] = []
+        generators: list[torch.Generator] = []
         for req in requests:
             self.stats.requests += 1
             reason = self._reject(req)
+            internal = False
+            if reason is None:
+                try:
+                    generators.append(request_generator(req.sampling.seed, req.seed_key or str(req.key)))
+                except Exception as exc:
+                    reason, internal = error_text(exc), True
             if reason is not None:
                 self.stats.finished += 1
                 yield GenResult(key=req.key, token_ids=[], finish_reason="error", prompt_tokens=len(req.prompt_ids),
-                                cached_tokens=0, error=reason)
+                                cached_tokens=0, error=reason, internal=internal)
             else:
                 accepted.append(req)
         plan = (plan_prefixes([r.prompt_ids for r in accepted], self.config.chunk)
@@ -182,7 +193,7 @@ class Engine:
         for i, req in enumerate(accepted):
             seq = Sequence(index=i, key=req, tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
                            sampling=req.sampling, max_new=self._max_new(req), prefix=plan.of_request[i])
-            seq.state = request_generator(req.sampling.seed, req.seed_key or str(req.key))
+            seq.state = generators[i]
             if seq.prefix is not None:
                 self.stats.prefix_hits += 1
             sched.add(seq)
@@ -212,24 +223,36 @@ class Engine:
             self._update_stats(sched, started)
 
     def _on_sample(self, sched: Scheduler, seq: Sequence, logits_V: torch.Tensor, done: list[GenResult]) -> None:
-        token = sample(logits_V, seq.sampling, seq.state)
-        seq.tokens.append(token)
-        self.stats.generated_tokens += 1
         reason: str | None = None
         stop_text: str | None = None
-        if token in self.eos_ids:
-            reason = "stop"
-        elif seq.sampling.stop and self.stop_check is not None:
-            stop_text = self.stop_check(seq.tokens[seq.prompt_len:], seq.sampling.stop)
-            if stop_text is not None:
+        try:
+            token = sample(logits_V, seq.sampling, seq.state)
+            seq.tokens.append(token)
+            self.stats.generated_tokens += 1
+            if token in self.eos_ids:
                 reason = "stop"
+            elif seq.sampling.stop and self.stop_check is not None:
+                stop_text = self.stop_check(seq.tokens[seq.prompt_len:], seq.sampling.stop)
+                if stop_text is not None:
+                    reason = "stop"
+        except Exception as exc:
+            # This request's own values or text broke (e.g. a NaN row, a decoder error): it ends here, the
+            # step's other rows are independent of it.
+            log.debug("a request failed while sampling", exc_info=True)
+            sched.release(seq)
+            self.stats.finished += 1
+            req: GenRequest = seq.key
+            done.append(GenResult(key=req.key, token_ids=seq.tokens[seq.prompt_len:], finish_reason="error",
+                                  prompt_tokens=seq.prompt_len, cached_tokens=seq.shared_len,
+                                  error=f"failed while sampling: {error_text(exc)}", internal=True))
+            return
         if reason is None and (seq.generated >= seq.max_new or len(seq.tokens) >= self.max_positions):
             reason = "length"
         if reason is None:
             return
         sched.release(seq)
         self.stats.finished += 1
-        req: GenRequest = seq.key
+        req = seq.key
         done.append(GenResult(key=req.key, token_ids=seq.tokens[seq.prompt_len:], finish_reason=reason,
                               prompt_tokens=seq.prompt_len, cached_tokens=seq.shared_len, stop_text=stop_text))
 
@@ -253,3 +276,9 @@ class Engine:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, cut to ``limit`` characters: a request's error record."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"

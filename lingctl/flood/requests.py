@@ -10,6 +10,9 @@ and a plain form with the body's fields at top level (``messages`` instead of ``
     {"custom_id": "a", "prompt": "hi", "max_tokens": 5}
 
 A bad line never stops the batch: it becomes a ``RequestError`` that names the line, the field and the value.
+Validation refuses what the engine could not run, so a bad request fails alone here instead of stopping the
+batch later: text that is not valid Unicode (JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which
+has no UTF-8 form for the tokenizer or the output file) and sampling values too small to compute with.
 Unknown fields are ignored, as vLLM and OpenAI ignore them, so files written for newer APIs still run; known
 fields that would change the answer in a way flood cannot honour (``n``, ``logprobs``, penalties ...) are
 rejected instead of silently giving a different result.
@@ -37,6 +40,11 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 _SHOW_CHARS = 40
+# The smallest positive temperature and top_p. logits / 5e-324 overflows to inf and softmax then gives NaN;
+# a top_p below float32's smallest normal compares as 0 against the probabilities and keeps no token. Any
+# value down to these floors samples as intended (1e-4 is already indistinguishable from greedy in practice).
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1e-6
 
 # Field -> (does this value ask for something flood does not do, why). null always means "the default".
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -54,6 +62,13 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (bool, "logit_bias is not supported"),
     "presence_penalty": (bool, "penalties are not supported"),
     "frequency_penalty": (bool, "penalties are not supported"),
+}
+
+# Field -> (default, can the sampler run this value, what the value must be). null means the default.
+_NUMBERS: dict[str, tuple[float, Callable[[float], bool], str]] = {
+    "temperature": (1.0, lambda x: x == 0 or MIN_TEMPERATURE <= x <= 2,
+                    f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 2"),
+    "top_p": (1.0, lambda x: MIN_TOP_P <= x <= 1, f"a number from {MIN_TOP_P:g} to 1"),
 }
 
 
@@ -153,6 +168,10 @@ def parse_line(text: str, line: int) -> Request | RequestError:
         what = "custom_id is missing" if cid is None else f"custom_id must be a non-empty string, got {_show(cid)}"
         return RequestError(line=line, custom_id=None, code=INVALID_REQUEST, message=what)
     try:
+        _text(cid, "custom_id")
+    except _Invalid as exc:  # an id that cannot be written as UTF-8 is no id to answer under
+        return RequestError(line=line, custom_id=None, code=INVALID_REQUEST, message=str(exc))
+    try:
         return _request(obj, line, cid)
     except _Invalid as exc:
         return RequestError(line=line, custom_id=cid, code=INVALID_REQUEST, message=str(exc))
@@ -182,6 +201,8 @@ def _request(obj: dict[str, Any], line: int, cid: str) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _Invalid(f"model must be a string, got {_show(model)}")
+    if model is not None:
+        _text(model, "model")
     request = Request(line=line, custom_id=cid, url=url, model=model, sampling=_sampling(body, chat=url == CHAT))
     if url == CHAT:
         if "messages" not in body:
@@ -198,7 +219,7 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(value, str):
         if not value:
             raise _Invalid("prompt must not be empty")
-        return value, None
+        return _text(value, "prompt"), None
     if not isinstance(value, list) or any(isinstance(v, (str, list)) for v in value):
         # OpenAI reads a list of strings or of id lists as several prompts, each with its own choices.
         raise _Invalid(f"prompt must be one string or one array of token ids, got {_show(value)}")
@@ -220,13 +241,14 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise _Invalid(f"messages[{i}].role must be a non-empty string, got {_show(role)}")
-        out.append({"role": role, "content": _content(message.get("content"), f"messages[{i}].content")})
+        out.append({"role": _text(role, f"messages[{i}].role"),
+                    "content": _content(message.get("content"), f"messages[{i}].content")})
     return out
 
 
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if not isinstance(value, list):
         raise _Invalid(f"{where} must be a string or an array of text parts, got {_show(value)}")
     texts = []
@@ -236,7 +258,7 @@ def _content(value: Any, where: str) -> str:
             raise _Invalid(f"{where}[{j}] must be a text part, got {_show(part)}")
         if not isinstance(part.get("text"), str):
             raise _Invalid(f"{where}[{j}].text must be a string, got {_show(part.get('text'))}")
-        texts.append(part["text"])
+        texts.append(_text(part["text"], f"{where}[{j}].text"))
     # Joined with newlines, as vLLM does for templates that take string content.
     return "\n".join(texts)
 
@@ -249,8 +271,7 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         max_tokens = None if chat else 16
     elif not _is_int(max_tokens) or max_tokens < 1:
         raise _Invalid(f"{name} must be an integer >= 1, got {_show(max_tokens)}")
-    temperature = _number(body, "temperature", 1.0, lambda x: 0 <= x <= 2, "a number from 0 to 2")
-    top_p = _number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "a number above 0 and at most 1")
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     top_k = body.get("top_k")
     if top_k is None:
         top_k = 0
@@ -268,16 +289,29 @@ def _stop(value: Any) -> list[str]:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise _Invalid(f"stop must be a non-empty string or an array of up to {MAX_STOP} of them, "
                        f"got {_show(value)}")
-    return stops
+    return [_text(s, "stop" if isinstance(value, str) else f"stop[{i}]") for i, s in enumerate(stops)]
 
 
-def _number(body: dict[str, Any], name: str, default: float, ok: Callable[[float], bool], what: str) -> float:
+def _number(body: dict[str, Any], name: str) -> float:
+    default, ok, what = _NUMBERS[name]
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         raise _Invalid(f"{name} must be {what}, got {_show(value)}")
     return float(value)
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` when it is valid Unicode. A lone surrogate (from a ``"\\ud800"`` escape) has no UTF-8 form:
+    the tokenizer, the chat template and the output file would each fail on it."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _Invalid(f"{where} is not valid Unicode: a lone surrogate "
+                           f"{ascii(value[exc.start])[1:-1]} at character {exc.start}") from None
+    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -295,4 +329,9 @@ def _show(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except RecursionError:
         return "(a deeply nested value)"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: shown as its JSON escape, so the message stays UTF-8
+            text = json.dumps(value)
     return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 1] + "…"

@@ -1,13 +1,18 @@
 """``flood run``: batch file in, OpenAI batch output out, through the engine.
 
-Order of work: validate the whole batch file; open the model directory (config, tokenizer, template); turn
-prompts into token ids; on ``--resume`` read what was already answered; plan memory from the config alone;
-then (unless ``--dry-run``) load the weights and run, writing each answer the moment it is final.
+Order of work: validate the whole batch file; open the model directory (config, tokenizer, template); on
+``--resume`` read what was already answered; turn the other prompts into token ids; plan memory from the
+config alone; then (unless ``--dry-run``) load the weights and run, writing each answer the moment it is final.
+
+Every request is isolated: a request that cannot be rendered, tokenized, sampled or written out gets its own
+line in the errors file and the others go on. Only what concerns them all (the model, the files, a template
+that does not compile) stops the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import secrets
 import time
@@ -18,9 +23,19 @@ from typing import Any
 
 import torch
 
-from lingctl.core.errors import Interrupted, LingctlError, UsageError
+from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
+from lingctl.core.names import printable
 from lingctl.flood.batch_output import BatchOutput, default_paths
-from lingctl.flood.engine import Engine, EngineConfig, EngineStats, GenRequest, GenResult, LocalRunner
+from lingctl.flood.chat_template import TemplateLimits
+from lingctl.flood.engine import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    GenRequest,
+    GenResult,
+    LocalRunner,
+    error_text,
+)
 from lingctl.flood.model_dir import ModelDir
 from lingctl.flood.plan import MemoryPlan, plan_memory
 from lingctl.flood.prefix import plan_prefixes
@@ -52,6 +67,7 @@ class FloodOptions:
     threads: int | None = None
     dry_run: bool = False
     chunk: int = 16  # prompt chunk / prefix block; fixes numerics, so it is part of the manifest
+    template_limits: TemplateLimits = field(default_factory=TemplateLimits)  # per chat request
 
     def validate(self) -> None:
         if self.stages < 1:
@@ -101,14 +117,28 @@ class _Job:
     ids: list[int]
 
 
-def _manifest(opts: FloodOptions, md: ModelDir, batch_name: str) -> dict[str, Any]:
+def _manifest(opts: FloodOptions, md: ModelDir, batch_name: str, template: str | None) -> dict[str, Any]:
     return {
         "engine": ENGINE_VERSION, "model": str(md.path), "model_fingerprint": md.fingerprint(),
         "dtype": opts.dtype, "quantize": opts.quantize, "prompt_chunk": opts.chunk, "batch": batch_name,
+        # The template in effect (--chat-template or the model's): it decides every chat prompt.
+        "chat_template_sha256": None if template is None else hashlib.sha256(template.encode()).hexdigest(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         # What changes answers; batch size, stages and cache size do not (outputs are batch-invariant).
-        "compare": ["engine", "model_fingerprint", "dtype", "quantize", "prompt_chunk"],
+        "compare": ["engine", "model_fingerprint", "dtype", "quantize", "prompt_chunk", "chat_template_sha256"],
     }
+
+
+def _read_template(path: Path) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise os_error(exc, f"--chat-template {path}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--chat-template {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                         f"{exc.start})") from None
 
 
 def _body(job: _Job, res: GenResult, codec: TextCodec, model_name: str) -> dict[str, Any]:
@@ -136,24 +166,17 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
     md = ModelDir.open(opts.model)
     if not opts.dry_run:
         md.check_weights()
-    template = opts.chat_template.read_text() if opts.chat_template is not None else md.chat_template()
-    codec = TextCodec.for_model(md.path, chat_template=template, tokenizer_config=md.tokenizer_config())
+    template = _read_template(opts.chat_template) if opts.chat_template is not None else md.chat_template()
+    codec = TextCodec.for_model(md.path, chat_template=template, tokenizer_config=md.tokenizer_config(),
+                                limits=opts.template_limits)
     codec.check_template()
     out, errors = default_paths(opts.batch, opts.out, opts.errors)
     summary = FloodSummary(out=str(out), errors=str(errors), requests=len(batch.requests),
                            invalid_lines=len(batch.errors), dry_run=opts.dry_run)
 
-    jobs: list[_Job] = []
-    rejected: list[tuple[Request, str]] = []
-    for req in batch.requests:
-        try:
-            jobs.append(_Job(req, codec.prompt_ids(req)))
-        except PromptError as exc:
-            rejected.append((req, str(exc)))
-
     output: BatchOutput | None = None
     if not opts.dry_run:  # a dry run opens no files; it plans for the whole batch
-        output = BatchOutput(out, errors, _manifest(opts, md, opts.batch.name), resume=opts.resume)
+        output = BatchOutput(out, errors, _manifest(opts, md, opts.batch.name, template), resume=opts.resume)
     done = output.state.done if output is not None else set()
     reported = output.state.error_lines if output is not None else set()
     try:
@@ -162,13 +185,12 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
                 if err.line not in reported:
                     output.write_error(custom_id=err.custom_id, line=err.line, code=err.code,
                                        message=err.message, status_code=None if err.custom_id is None else 400)
-            for req, message in rejected:
-                if req.custom_id not in done:
-                    output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_prompt",
-                                       message=message)
-                    summary.failed += 1
-        summary.already_done = sum(1 for j in jobs if j.req.custom_id in done)
-        jobs = [j for j in jobs if j.req.custom_id not in done]
+        todo = [req for req in batch.requests if req.custom_id not in done]
+        summary.already_done = len(batch.requests) - len(todo)
+        try:
+            jobs = _prompts(codec, todo, output, summary, should_stop)
+        finally:
+            codec.close()  # the template worker is not needed past here
         plan = _plan(opts, md, jobs, dtype)
         summary.plan = plan
         summary.kv_cache_tokens = plan.kv_tokens
@@ -185,6 +207,30 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
     finally:
         if output is not None:
             output.close()
+
+
+def _prompts(codec: TextCodec, requests: list[Request], output: BatchOutput | None, summary: FloodSummary,
+             should_stop: Callable[[], bool] | None) -> list[_Job]:
+    """Token ids of each request; one that cannot be rendered or tokenized gets its error line at once."""
+    jobs: list[_Job] = []
+    for req in requests:
+        if should_stop is not None and should_stop():
+            raise Interrupted("interrupted while preparing prompts; every answer written so far is kept",
+                              hint="continue with the same command plus --resume")
+        try:
+            jobs.append(_Job(req, codec.prompt_ids(req)))
+            continue
+        except PromptError as exc:
+            message = str(exc)
+        except LingctlError:
+            raise  # not this request's fault (the template worker cannot start)
+        except Exception as exc:  # the tokenizer failed on this text: this request's problem only
+            log.debug("tokenizing request %s failed", printable(req.custom_id), exc_info=True)
+            message = f"could not tokenize the prompt: {error_text(exc)}"
+        summary.failed += 1
+        if output is not None:
+            output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_prompt", message=message)
+    return jobs
 
 
 def _max_new(md: ModelDir, job: _Job) -> int:
@@ -233,12 +279,18 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
     try:
         for res in engine.generate(requests, on_step=lambda s: _progress(s, summary, on_progress, should_stop)):
             job = by_key[res.key]
-            if res.error is not None:
-                output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="invalid_request",
-                                   message=res.error)
+            body: dict[str, Any] | None = None
+            if res.error is None:
+                try:
+                    body = _body(job, res, codec, model_name)
+                except Exception as exc:  # detokenizing this answer failed; the others are unaffected
+                    log.debug("building the answer to %s failed", printable(job.req.custom_id), exc_info=True)
+                    res.error, res.internal = f"failed while decoding the answer: {error_text(exc)}", True
+            if body is None:
+                _write_failure(output, job, res)
                 summary.failed += 1
             else:
-                output.write_result(job.req.custom_id, _body(job, res, codec, model_name))
+                output.write_result(job.req.custom_id, body)
                 summary.succeeded += 1
                 summary.prompt_tokens += res.prompt_tokens
                 summary.cached_prompt_tokens += res.cached_tokens
@@ -254,6 +306,18 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
         output.close()
         raise Interrupted(f"interrupted after {summary.succeeded + summary.failed} answers; every answer written "
                           f"so far is kept", hint="continue with the same command plus --resume")
+
+
+def _write_failure(output: BatchOutput, job: _Job, res: GenResult) -> None:
+    """A request the engine refused (code invalid_request, status 400) or that failed while running (code
+    internal_error, status 500, as the Batch API reports a server-side failure of one request)."""
+    message = res.error or "failed"
+    if res.internal:
+        log.warning("request %s failed: %s", printable(job.req.custom_id), message)
+        output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="internal_error", message=message,
+                           status_code=500)
+    else:
+        output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="invalid_request", message=message)
 
 
 class _StopRequested(Exception):

@@ -35,7 +35,9 @@ def request_generator(seed: int | None, fallback_key: str) -> torch.Generator:
     import torch
 
     if seed is None:
-        seed = int.from_bytes(hashlib.sha256(fallback_key.encode()).digest()[:8], "little") >> 1
+        # surrogatepass: the same bytes as plain UTF-8 for any valid key, and no exception for one that is not.
+        key = fallback_key.encode("utf-8", "surrogatepass")
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
     return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
 
@@ -47,7 +49,7 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
 
     if params.greedy:
         return int(torch.argmax(logits_V))
-    scaled = logits_V / params.temperature
+    scaled = logits_V.float() / params.temperature
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -56,6 +58,7 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
         sorted_p, order = torch.sort(probs, descending=True)
         # keep tokens whose preceding mass is below p: the most likely token always survives
         keep = (sorted_p.cumsum(0) - sorted_p) < params.top_p
+        keep[0] = True  # even when top_p rounds to 0 in float32
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[order[keep]] = True
         probs = probs.masked_fill(~mask, 0.0)

@@ -1,13 +1,16 @@
 """Text in and out: prompts to token ids (completions verbatim, chat through the model's template) and
-generated ids back to text, with OpenAI's stop-string semantics (the stop string is not part of the text)."""
+generated ids back to text, with OpenAI's stop-string semantics (the stop string is not part of the text).
+
+Chat templates render in a worker process under time, output and memory limits (chat_template.py); call
+``close`` when the prompts are done, to end it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.errors import LingctlError
+from lingctl.flood.chat_template import RenderError, TemplateLimits, TemplateRenderer, check_syntax
 from lingctl.flood.requests import Request
 
 
@@ -27,34 +30,29 @@ class TextCodec:
     chat_template: str | None
     bos_token: str = ""
     eos_token: str = ""
+    limits: TemplateLimits = field(default_factory=TemplateLimits)
+    _renderer: TemplateRenderer | None = field(default=None, init=False, repr=False)
 
     @staticmethod
-    def for_model(path: Path, *, chat_template: str | None, tokenizer_config: dict[str, Any]) -> TextCodec:
+    def for_model(path: Path, *, chat_template: str | None, tokenizer_config: dict[str, Any],
+                  limits: TemplateLimits | None = None) -> TextCodec:
         tok = None
         if (path / "tokenizer.json").exists():
             from lingctl.train.tokenizer import load_tokenizer
 
             tok = load_tokenizer(path / "tokenizer.json")
         return TextCodec(tok, chat_template, _special(tokenizer_config.get("bos_token")),
-                         _special(tokenizer_config.get("eos_token")))
-
-    def _template(self) -> Any:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template or "")
-        except TemplateError as exc:
-            raise LingctlError(f"the chat template does not compile: {exc}") from None
+                         _special(tokenizer_config.get("eos_token")), limits or TemplateLimits())
 
     def check_template(self) -> None:
+        """``LingctlError`` when the template does not parse: that would fail every chat request."""
         if self.chat_template is not None:
-            self._template()
+            check_syntax(self.chat_template)
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
 
     def prompt_ids(self, req: Request) -> list[int]:
         if req.prompt_ids is not None:
@@ -65,13 +63,13 @@ class TextCodec:
             if self.chat_template is None:
                 raise PromptError("the model has no chat template (tokenizer_config.json chat_template or "
                                   "chat_template.jinja); pass --chat-template FILE or use /v1/completions")
-            from jinja2.exceptions import TemplateError
-
+            if self._renderer is None:
+                self._renderer = TemplateRenderer(self.chat_template, self.limits)
             try:
-                text = self._template().render(messages=req.messages, add_generation_prompt=True,
-                                               bos_token=self.bos_token, eos_token=self.eos_token)
-            except TemplateError as exc:
-                raise PromptError(f"chat template failed: {exc}") from None
+                text = self._renderer.render(req.messages or [], add_generation_prompt=True,
+                                             bos_token=self.bos_token, eos_token=self.eos_token)
+            except RenderError as exc:
+                raise PromptError(str(exc)) from None
             # The template already holds whatever special tokens the model expects.
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         # Completions: the prompt exactly as given, no BOS, no template (as OpenAI's completions endpoint).

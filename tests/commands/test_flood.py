@@ -250,3 +250,54 @@ def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
                   "--stages", "2", env={**os.environ, "LINGCTL_DEBUG": "1"})
     assert two.returncode == 0, two.stderr
     assert _token_ids(tmp_path / "one.jsonl") == _token_ids(tmp_path / "two.jsonl")
+
+
+def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(lingctl, text_ckpt, tmp_path):
+    """A lone surrogate (valid JSON "\\ud800") in a prompt or a custom_id, and a temperature or top_p too small
+    to compute with, each get their error line; the other requests are answered, the exit code is 0 (failures
+    one by one are counted, not fatal), and --resume over those files continues."""
+    batch = write_batch(tmp_path / "b.jsonl", [
+        {"custom_id": "ok", "prompt": "the quick brown", "max_tokens": 3, "temperature": 0},
+        {"custom_id": "chat", "messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 3},
+        {"custom_id": "sur-prompt", "prompt": "the \ud800 quick", "max_tokens": 3},
+        {"custom_id": "s\ud800", "prompt": "the", "max_tokens": 3},
+        {"custom_id": "cold", "prompt": "the", "temperature": 5e-324},
+        {"custom_id": "narrow", "prompt": "the", "top_p": 1e-100},
+        {"custom_id": "sampled", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9},
+    ])
+    assert "\\ud800" in batch.read_text()  # json.dumps wrote the surrogates as escapes: valid JSON, valid UTF-8
+    res = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert (summary["succeeded"], summary["invalid_lines"]) == (3, 4)
+    out_path, err_path = tmp_path / "b.output.jsonl", tmp_path / "b.errors.jsonl"
+    assert sorted(r["custom_id"] for r in read_jsonl(out_path)) == ["chat", "ok", "sampled"]
+    errors = {e["error"]["line"]: e for e in read_jsonl(err_path)}
+    assert sorted(errors) == [3, 4, 5, 6]
+    assert errors[3]["custom_id"] == "sur-prompt" and "prompt is not valid Unicode" in errors[3]["error"]["message"]
+    assert errors[3]["response"]["status_code"] == 400
+    assert errors[4]["custom_id"] is None and errors[4]["response"] is None  # an id that cannot be written back
+    assert "custom_id is not valid Unicode" in errors[4]["error"]["message"]
+    assert "temperature must be" in errors[5]["error"]["message"] and errors[5]["custom_id"] == "cold"
+    assert "top_p must be" in errors[6]["error"]["message"] and errors[6]["custom_id"] == "narrow"
+    for path in (out_path, err_path):
+        path.read_bytes().decode("utf-8")  # both files stay valid UTF-8
+
+    # An answer under a surrogate custom_id, as an older lingctl could write it, and one more request.
+    with open(out_path, "ab") as f:
+        f.write(b'{"id": "batch_req_old", "custom_id": "old\\ud800", "response": null, "error": null}\n')
+    with open(batch, "a") as f:
+        f.write(json.dumps({"custom_id": "late", "prompt": [7, 8], "max_tokens": 2}) + "\n")
+    before_out, before_err = out_path.read_bytes(), err_path.read_bytes()
+    again = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--resume", "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["already_done"] == 3
+    assert out_path.read_bytes().startswith(before_out) and err_path.read_bytes() == before_err
+    assert [r["custom_id"] for r in read_jsonl(out_path)][-1] == "late"
+
+    # A template file that is not there is one line (a different template on resume: tests/flood/test_run.py).
+    missing = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "-o", str(tmp_path / "n.jsonl"),
+                      "--chat-template", str(tmp_path / "nonexist"))
+    assert missing.returncode == 3 and "nonexist: no such file or directory" in missing.stderr
+    assert "Traceback" not in missing.stderr and missing.stderr.startswith("lingctl: error: ")
+    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "n.jsonl").exists()

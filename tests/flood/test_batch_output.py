@@ -104,6 +104,20 @@ def test_a_custom_id_with_a_lone_surrogate_stays_valid_json(tmp_path: Path) -> N
         assert out.state.done == {"bad\ud800id"}
 
 
+def test_error_records_with_lone_surrogates_and_raw_surrogate_bytes_resume(tmp_path: Path) -> None:
+    """Nothing a record can hold stops writing or resuming: a lone surrogate in an error message, and a line
+    whose custom_id is a surrogate in raw (CESU-style) bytes, as another writer could leave it."""
+    with _open(tmp_path) as out:
+        out.write_error(custom_id="e\udfff", line=2, code="invalid_request", message="bad \ud800 text")
+    assert _records(tmp_path / "b.errors.jsonl")[0]["error"]["message"] == "bad \ud800 text"
+    with open(tmp_path / "b.output.jsonl", "ab") as f:
+        f.write(b'{"id": "batch_req_raw", "custom_id": "raw\xed\xa0\x80", "response": null, "error": null}\n')
+    with _open(tmp_path, resume=True) as out:
+        assert out.state.done == {"e\udfff", "raw\ud800"} and out.state.error_lines == {2}
+        out.write_result("next", BODY)
+    assert _records(tmp_path / "b.output.jsonl")[-1]["custom_id"] == "next"
+
+
 @pytest.mark.parametrize("name", ["b.output.jsonl", "b.errors.jsonl", "b.output.jsonl.manifest.json"])
 def test_refuses_to_overwrite(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_text("{}\n")
@@ -196,6 +210,19 @@ def test_manifest_mismatch_names_the_key_and_both_values(tmp_path: Path) -> None
     assert "model_sha" in message and "abc123" in message and "def456" in message and "\n" not in message
     with pytest.raises(UsageError, match=r"max_batch=64, this run has \(absent\)"):
         _open(tmp_path, {k: v for k, v in MANIFEST.items() if k != "max_batch"}, resume=True)
+
+
+def test_a_compared_key_the_old_manifest_lacks_is_refused(tmp_path: Path) -> None:
+    """An output written before the manifest recorded the chat template: nothing shows the template matches."""
+    manifest = MANIFEST | {"compare": ["model_sha"]}
+    _open(tmp_path, manifest).close()
+    newer = MANIFEST | {"chat_template_sha256": "5ee", "compare": ["model_sha", "chat_template_sha256"]}
+    with pytest.raises(UsageError, match="written without chat_template_sha256 in its manifest"):
+        _open(tmp_path, newer, resume=True)
+    with pytest.raises(UsageError, match=r'chat_template_sha256="5ee", this run has "f00"') as info:
+        (tmp_path / "b.output.jsonl.manifest.json").write_text(json.dumps(newer))
+        _open(tmp_path, newer | {"chat_template_sha256": "f00"}, resume=True)
+    assert "--chat-template" in (info.value.hint or "")
 
 
 def test_manifest_compare_list_limits_the_check(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from lingctl.flood.engine import Engine, EngineConfig, GenRequest
 from lingctl.flood.forward import MIN_ROWS
 from lingctl.flood.model_dir import ModelDir
-from lingctl.flood.sampling import SamplingParams
+from lingctl.flood.sampling import SamplingParams, request_generator, sample
 from tests.flood.conftest import FIXTURES, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -207,3 +207,50 @@ def test_int8_and_bf16_models_are_batch_invariant_too(tiny_ckpt, variant):
     for i in (0, 5):
         alone, _, _ = run(model, [ps[i]], SamplingParams(max_tokens=6, temperature=0.0))
         assert alone[0].token_ids == together[i].token_ids
+
+
+def test_top_p_below_float32_range_still_keeps_the_most_likely_token():
+    """Validation refuses such values; the sampler itself must not end up with no token either."""
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    params = SamplingParams(temperature=1.0, top_p=1e-100)
+    for seed in range(5):
+        assert sample(logits, params, request_generator(seed, "x")) == 1
+
+
+def test_an_unseeded_key_with_a_lone_surrogate_still_gets_a_generator():
+    a, b = request_generator(None, "a\ud800"), request_generator(None, "a\ud800")
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+    # Valid keys keep the generator they always had (sha256 of the UTF-8 bytes).
+    assert request_generator(None, "r1").initial_seed() == request_generator(None, "r1").initial_seed()
+
+
+def test_a_request_that_fails_while_sampling_fails_alone():
+    """A NaN logit row (a poisoned embedding of token 7) makes the sampler raise for that request, and a stop
+    check that raises on one request's text fails that one: each ends with an internal error result; the
+    others, in the same steps, get exactly the tokens they get alone."""
+    poisoned = tiny_model()
+    poisoned.eval()
+    poisoned.normalize_head_()
+    with torch.no_grad():
+        poisoned.model.word_embeddings.weight[7] = float("nan")
+    ps = [[5, 6, 8], [7, 9], [10, 11, 12], [13, 14]]
+    hot = SamplingParams(max_tokens=6, temperature=1.0, seed=1)
+    boom = SamplingParams(max_tokens=6, temperature=0.0, stop=["boom"])
+
+    def stop_check(ids: list[int], stops: list[str]) -> str | None:
+        if "boom" in stops and len(ids) == 2:
+            raise ValueError("cannot decode these ids")
+        return None
+
+    engine = Engine.local(poisoned, EngineConfig(kv_cache_tokens=1024), stop_check=stop_check)
+    reqs = [GenRequest(key=i, prompt_ids=p, sampling=boom if i == 3 else hot) for i, p in enumerate(ps)]
+    out = {r.key: r for r in engine.generate(reqs)}
+    assert len(out) == 4
+    assert out[1].finish_reason == "error" and out[1].internal and "failed while sampling" in out[1].error
+    assert out[3].finish_reason == "error" and out[3].internal and "cannot decode these ids" in out[3].error
+    assert len(out[3].token_ids) == 2  # what it had generated when it failed
+    for i in (0, 2):
+        alone = next(iter(Engine.local(poisoned, EngineConfig(kv_cache_tokens=1024)).generate(
+            [GenRequest(key=i, prompt_ids=ps[i], sampling=hot)])))
+        assert out[i].finish_reason == "length" and out[i].token_ids == alone.token_ids
+    assert engine.alloc.used_slots == 0  # the failed requests gave their cache back

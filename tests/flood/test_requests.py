@@ -158,11 +158,30 @@ _MSG = [{"role": "user", "content": "hi"}]
     (_batch_form(COMPLETIONS, prompt="x", max_tokens=2.5), "max_tokens must be an integer >= 1, got 2.5"),
     (_batch_form(COMPLETIONS, prompt="x", max_tokens=True), "max_tokens must be an integer >= 1, got true"),
     (_batch_form(CHAT, messages=_MSG, max_completion_tokens=-1), "max_completion_tokens must be an integer"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature=2.5), "temperature must be a number from 0 to 2, got 2.5"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature=2.5),
+     "temperature must be 0 (greedy) or a number from 0.0001 to 2, got 2.5"),
     (_batch_form(COMPLETIONS, prompt="x", temperature=-0.1), "temperature must be"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature="hot"), 'temperature must be a number from 0 to 2, got "hot"'),
-    (_batch_form(COMPLETIONS, prompt="x", top_p=0), "top_p must be a number above 0 and at most 1, got 0"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature="hot"), 'temperature must be 0 (greedy) or a number from '
+                                                              '0.0001 to 2, got "hot"'),
+    # Values the sampler cannot compute with: logits / 5e-324 is inf, a top_p under float32's range is 0.
+    (_batch_form(COMPLETIONS, prompt="x", temperature=5e-324), "temperature must be 0 (greedy) or a number "
+                                                               "from 0.0001 to 2, got 5e-324"),
+    (_batch_form(COMPLETIONS, prompt="x", temperature=1e-5), "temperature must be"),
+    (_batch_form(COMPLETIONS, prompt="x", top_p=0), "top_p must be a number from 1e-06 to 1, got 0"),
+    (_batch_form(COMPLETIONS, prompt="x", top_p=1e-100), "top_p must be a number from 1e-06 to 1, got 1e-100"),
+    (_batch_form(COMPLETIONS, prompt="x", top_p=5e-324), "top_p must be"),
     (_batch_form(COMPLETIONS, prompt="x", top_p=1.5), "top_p must be"),
+    # A lone surrogate (JSON's "\ud800") has no UTF-8 form: wherever it is used, the request is refused.
+    (_batch_form(COMPLETIONS, prompt="a\ud800b"), "prompt is not valid Unicode: a lone surrogate \\ud800 at "
+                                                   "character 1"),
+    (_batch_form(CHAT, messages=[{"role": "user", "content": "\udfff"}]), "messages[0].content is not valid"),
+    (_batch_form(CHAT, messages=[{"role": "us\ud800er", "content": "x"}]), "messages[0].role is not valid"),
+    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "ok"},
+                                                             {"type": "text", "text": "\ud800"}]}]),
+     "messages[0].content[1].text is not valid Unicode"),
+    (_batch_form(COMPLETIONS, prompt="x", stop=["ok", "\udc00"]), "stop[1] is not valid Unicode"),
+    (_batch_form(COMPLETIONS, prompt="x", stop="\udc00"), "stop is not valid Unicode"),
+    (_batch_form(COMPLETIONS, prompt="x", model="m\ud800"), "model is not valid Unicode"),
     (_batch_form(COMPLETIONS, prompt="x", top_k=-2), "top_k must be an integer >= 1, or -1 or 0 for off, got -2"),
     (_batch_form(COMPLETIONS, prompt="x", top_k=2.5), "top_k must be"),
     (_batch_form(COMPLETIONS, prompt="x", seed="7"), 'seed must be a 64-bit integer, got "7"'),
@@ -194,6 +213,32 @@ def test_rejections_name_the_field_and_value(request_obj: dict[str, Any], expect
     assert (err.line, err.custom_id, err.code) == (7, "a", INVALID_REQUEST)
     assert expected in err.message
     assert "\n" not in err.message
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0, 1e-6), (1e-4, 1), (2, 0.5), (-0.0, 1)])
+def test_smallest_sampling_values_are_accepted(temperature: float, top_p: float) -> None:
+    req = _ok(_batch_form(COMPLETIONS, prompt="x", temperature=temperature, top_p=top_p))
+    assert (req.sampling.temperature, req.sampling.top_p) == (temperature, top_p)
+
+
+def test_paired_surrogates_are_one_character_and_accepted() -> None:
+    req = _ok(_batch_form(COMPLETIONS, prompt="\ud83d\ude00", stop="\ud83d\ude00"))
+    assert req.prompt_text == "\U0001f600" and req.sampling.stop == ["\U0001f600"]
+
+
+def test_a_custom_id_with_a_lone_surrogate_is_refused_without_echoing_it() -> None:
+    err = parse_line('{"custom_id": "a\\ud800", "prompt": "x"}', 3)
+    assert isinstance(err, RequestError)
+    assert (err.line, err.custom_id, err.code) == (3, None, INVALID_REQUEST)
+    assert err.message == "custom_id is not valid Unicode: a lone surrogate \\ud800 at character 1"
+    err.message.encode("utf-8")  # the message itself is valid text
+
+
+def test_refused_values_are_shown_as_valid_text() -> None:
+    err = _parse(_batch_form(COMPLETIONS, prompt=["\ud800"]))
+    assert isinstance(err, RequestError)
+    assert "\\ud800" in err.message
+    err.message.encode("utf-8")
 
 
 def test_long_values_are_cut_short() -> None:
