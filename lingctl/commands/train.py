@@ -31,6 +31,10 @@ def train(
     out: Annotated[str | None, typer.Option(
         "--out", "-o", help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    adopt: Annotated[bool, typer.Option(
+        "--adopt", help="Let --out be an existing directory that holds other files: the run adds its own files "
+                        "(listed in lingctl-run.json) and never overwrites or deletes the others; a name it "
+                        "needs that is taken is refused.")] = False,
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Node-local fast disk for s3:// runs: checkpoints land here and upload in the "
                             "background (default: ~/.cache/lingctl/runs).")] = None,
@@ -47,6 +51,9 @@ def train(
     dispatch: Annotated[str | None, typer.Option("--dispatch", help="MoE dispatch: naive, sorted, grouped.")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Steps between evals (0: only at the end).")] = None,
     save_every: Annotated[int | None, typer.Option("--save-every", help="Steps between checkpoints (0: only at the end).")] = None,
+    max_consecutive_skips: Annotated[int | None, typer.Option(
+        "--max-consecutive-skips", help="End the run (exit 1) after this many skipped steps in a row: it has "
+                                        "diverged (default 20).")] = None,
     nproc: Annotated[int, typer.Option(
         "--nproc", min=1, help="Workers on this machine, started by torch.distributed.run (torchrun); on many "
                                "machines run 'torchrun ... -m lingctl train' instead.")] = 1,
@@ -95,6 +102,7 @@ def train(
         "preset": preset, "data.paths": data or None, "steps": steps, "max_seconds": max_seconds,
         "batch_size": batch_size, "seq_len": seq_len, "optim.lr": lr, "seed": seed, "data.tokenizer": tokenizer,
         "dtype": dtype, "dispatch": dispatch, "eval_every": eval_every, "save_every": save_every,
+        "max_consecutive_skips": max_consecutive_skips,
         "sync": sync, "sync_every": sync_every, "sync_every_seconds": sync_every_seconds,
         "simulate_slow_rank": simulate_slow_rank, "slowdown": slowdown, "simulate_bad_rank": simulate_bad_rank,
     }
@@ -123,7 +131,7 @@ def train(
         with view:
             result = run_training(out=out, resume=resume, overrides=overrides, config_file=config,
                                   s3=s3_options(endpoint_url, region, profile, path_style),
-                                  on_record=view.record, on_start=on_start, cache_dir=cache_dir)
+                                  on_record=view.record, on_start=on_start, cache_dir=cache_dir, adopt=adopt)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -6,6 +6,8 @@ The whole config is saved with every checkpoint, so a run can be resumed or insp
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,6 +17,46 @@ from lingctl.model.config import LingConfig
 from lingctl.model.presets import preset
 from lingctl.train.edit import EditConfig
 from lingctl.train.spike import SpikeConfig
+
+
+Check = tuple[Callable[[Any], bool], str]  # (predicate, the rule in words)
+
+
+def _whole(low: int, high: int | None = None) -> Check:
+    rule = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    return (lambda v: v >= low and (high is None or v <= high)), rule
+
+
+def _number(low: float, high: float = math.inf, *, above: bool = False, below: bool = False) -> Check:
+    """A finite number in [low, high]; ``above`` / ``below`` exclude the bound itself."""
+    def ok(v: float) -> bool:
+        return math.isfinite(v) and (v > low if above else v >= low) and (v < high if below else v <= high)
+
+    if math.isinf(high):
+        return ok, f"a finite number {'>' if above else '>='} {low:g}"
+    return ok, f"a number in {'(' if above else '['}{low:g}, {high:g}{')' if below else ']'}"
+
+
+# The command-line flag of a setting, named in its error so that `--lr nan` is answered in the user's terms.
+FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len", "seed": "--seed",
+         "eval_every": "--eval-every", "save_every": "--save-every", "max_seconds": "--max-seconds",
+         "max_consecutive_skips": "--max-consecutive-skips", "sync_every": "--sync-every",
+         "sync_every_seconds": "--sync-every-seconds", "simulate_slow_rank": "--simulate-slow-rank",
+         "slowdown": "--slowdown", "simulate_bad_rank": "--simulate-bad-rank", "optim.lr": "--lr"}
+
+
+def check_ranges(obj: Any, rules: Mapping[str, Check], prefix: str = "") -> None:
+    """``UsageError`` naming the first field of ``obj`` outside its range (None means "the default": skipped).
+
+    Numbers that cannot work are refused here, before any data is read: a NaN or infinite learning rate
+    would otherwise train for ever on skipped steps, a negative one would climb the loss."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(obj, name)
+        if value is None or ok(value):
+            continue
+        path = prefix + name
+        shown = f"{path} ({FLAGS[path]})" if path in FLAGS else path
+        raise UsageError(f"{shown} must be {rule}, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +71,10 @@ class DataConfig:
     # Caps how much text is read; the default corpus is capped so that setup takes seconds.
     max_bytes: int | None = None
 
+    def validate(self) -> None:
+        check_ranges(self, {"vocab_size": _whole(1), "eval_fraction": _number(0, 1, below=True),
+                            "max_bytes": _whole(1)}, "data.")
+
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
@@ -39,7 +85,13 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0 = no clipping
+
+    def validate(self) -> None:
+        check_ranges(self, {"lr": _number(0, above=True), "min_lr_ratio": _number(0, 1), "warmup_steps": _whole(0),
+                            "weight_decay": _number(0), "beta1": _number(0, 1, below=True),
+                            "beta2": _number(0, 1, below=True), "eps": _number(0, above=True),
+                            "grad_clip": _number(0)}, "optim.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +99,10 @@ class MoeLossConfig:
     balance_coef: float = 0.01  # alpha of the load-balance loss
     z_coef: float = 0.001  # router z-loss coefficient
     routing_warmup_steps: int = 20  # stochastic routing warmup length (0 = off)
+
+    def validate(self) -> None:
+        check_ranges(self, {"balance_coef": _number(0), "z_coef": _number(0), "routing_warmup_steps": _whole(0)},
+                     "moe.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +123,9 @@ class TrainConfig:
     save_every: int = 50
     keep_checkpoints: int = 2
     max_seconds: float | None = None
+    # This many skipped attempts in a row (spikes, non-finite loss or gradients) end the run with exit 1:
+    # a diverged run would otherwise skip for ever. Enough for the spike guard's LR drops to take effect.
+    max_consecutive_skips: int = 20
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoeLossConfig = field(default_factory=MoeLossConfig)
@@ -92,20 +151,12 @@ class TrainConfig:
     simulate_bad_rank: int | None = None
 
     def validate(self) -> None:
-        for name in ("steps", "eval_batches", "keep_checkpoints", "batch_start"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "save_every", "batch_warmup_steps"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise UsageError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise UsageError(f"seq_len must be at least 2, got {self.seq_len}")
-        if self.max_seconds is not None and self.max_seconds <= 0:
-            raise UsageError(f"max_seconds must be positive, got {self.max_seconds}")
-        if not 0.0 <= self.data.eval_fraction < 1.0:
-            raise UsageError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
+        check_ranges(self, TRAIN_RULES)
+        if any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in self.inject_spikes):
+            raise UsageError(f"inject_spikes must be a list of attempt numbers >= 0, got {self.inject_spikes!r}")
+        self.data.validate()
+        self.optim.validate()
+        self.moe.validate()
         try:
             self.spike.validate()
             self.edit.validate()
@@ -113,15 +164,22 @@ class TrainConfig:
             raise UsageError(str(exc)) from None
         if self.sync not in ("ddp", "edit"):
             raise UsageError(f"sync must be ddp or edit, got {self.sync!r}")
-        if self.sync_every < 1:
-            raise UsageError(f"sync_every must be at least 1, got {self.sync_every}")
-        if self.sync_every_seconds is not None and not self.sync_every_seconds > 0:
-            raise UsageError(f"sync_every_seconds must be positive, got {self.sync_every_seconds}")
-        if self.edit_warmup_steps < 0:
-            raise UsageError(f"edit_warmup_steps must be >= 0, got {self.edit_warmup_steps}")
-        if self.slowdown < 1:
-            raise UsageError(f"slowdown must be at least 1, got {self.slowdown}")
         preset(self.preset)  # unknown preset: one line with the choices
+
+
+TRAIN_RULES: dict[str, Check] = {
+    # Per worker and step; the caps are far above any real run and keep a typo from allocating terabytes.
+    "steps": _whole(1), "batch_size": _whole(1, 2**20), "batch_warmup_steps": _whole(0), "batch_start": _whole(1),
+    "seq_len": _whole(2, 2**20),
+    # Routing-warmup noise seeds are derived as (seed * 1e6 + attempt) * 1e3: 32 bits keep that in 64.
+    "seed": _whole(0, 2**32 - 1),
+    "eval_every": _whole(0), "eval_batches": _whole(1), "save_every": _whole(0), "keep_checkpoints": _whole(1),
+    "max_seconds": _number(0, above=True), "max_consecutive_skips": _whole(1),
+    "inject_spike_factor": _number(0, above=True), "crash_at_step": _whole(1), "crash_rank": _whole(0),
+    "sync_every": _whole(1), "sync_every_seconds": _number(0, above=True), "edit_warmup_steps": _whole(0),
+    # The slow worker sleeps (slowdown - 1) x its step time after each step.
+    "simulate_slow_rank": _whole(0), "slowdown": _number(1, 1000), "simulate_bad_rank": _whole(0),
+}
 
 
 # Training defaults per preset: what fits the preset's purpose on the hardware it targets.

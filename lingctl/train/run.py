@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.config import build, from_mapping, load_toml
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.core.storage import S3Options
 from lingctl.train.config import TrainConfig
 from lingctl.train.rundir import RunDir
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 # run would silently be a different experiment (the loss sequence would no longer continue).
 RESUMABLE_CHANGES = frozenset({"steps", "max_seconds", "eval_every", "eval_batches", "save_every",
                                "keep_checkpoints", "inject_spikes", "inject_spike_factor", "crash_at_step",
-                               "crash_rank", "simulate_slow_rank", "slowdown", "simulate_bad_rank"})
+                               "crash_rank", "simulate_slow_rank", "slowdown", "simulate_bad_rank",
+                               "max_consecutive_skips"})
 
 
 def default_out(preset: str) -> str:
@@ -35,8 +36,15 @@ def default_out(preset: str) -> str:
 
 def _saved_config(run: RunDir, latest: dict[str, Any]) -> dict[str, Any]:
     key = f"{latest['path']}/{CONFIG_FILE}"
-    raw = run.store.read(key) if run.store is not None else (run.local / key).read_bytes()
-    return json.loads(raw)
+    raw = run.read(key)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise VerificationError(f"{run.describe()}/{key} is damaged: not a JSON object",
+                                hint="resume needs the settings the run was started with; restore the file")
+    return data
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -73,8 +81,10 @@ def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mappi
 
 def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config_file: Path | None = None,
           s3: S3Options | None = None, on_record: Callable[[Record], None] | None = None,
-          on_start: Callable[[Trainer], None] | None = None, cache_dir: Path | None = None) -> TrainResult:
-    """Run ``lingctl train``. ``overrides`` are dotted settings given on the command line (None = unset)."""
+          on_start: Callable[[Trainer], None] | None = None, cache_dir: Path | None = None,
+          adopt: bool = False) -> TrainResult:
+    """Run ``lingctl train``. ``overrides`` are dotted settings given on the command line (None = unset).
+    ``adopt``: ``out`` may hold other files; the run adds its own beside them and never touches those."""
     explicit = {k: v for k, v in overrides.items() if v is not None}
     requested = build(TrainConfig, file=config_file, section="train" if config_file else None, overrides=explicit)
     if config_file is not None:
@@ -87,7 +97,7 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
         raise UsageError("--resume needs --out: the run directory to continue")
     if workers.distributed and out is None:
         out = workers.broadcast(default_out(requested.preset))  # one directory for all workers
-    run = RunDir(out or default_out(requested.preset), s3, cache_dir=cache_dir)
+    run = RunDir(out or default_out(requested.preset), s3, cache_dir=cache_dir, adopt=adopt)
     config = requested
     latest = run.latest() if resume else None
     if resume and latest is None:
@@ -103,6 +113,9 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
         if on_start is not None:
             on_start(trainer)
         return trainer.train()
+    except MemoryError:
+        raise LingctlError("out of memory", hint="lower --batch-size or --seq-len, or choose a smaller preset; "
+                                                 "checkpoints already written are kept") from None
     except RuntimeError as exc:
         text = str(exc).lower()
         if workers.distributed and ("closed by peer" in text or "connection reset" in text):

@@ -6,10 +6,13 @@ Layout::
     metrics.jsonl                  one JSON record per step / eval / spike / checkpoint
     checkpoints/step-00000050/     a complete Ling checkpoint (loadable by flood) + train_state.pt + train_config.json
     latest.json                    {"step": 50, "path": "checkpoints/step-00000050"}, written last
+    lingctl-run.json               what lingctl created here (manifest.py), written first
 
 A checkpoint counts only once ``latest.json`` names it, and ``latest.json`` is replaced only after every
 file of the checkpoint is written (and uploaded), so a crash mid-save leaves the previous checkpoint in
-charge. The training state (model, optimizer, data position) is a pcache DCP checkpoint in ``state/``.
+charge. Nothing but what ``lingctl-run.json`` lists is ever overwritten or deleted (``owned.py``), so a run
+directory may hold the user's own files. The training state (model, optimizer, data position) is a pcache
+DCP checkpoint in ``state/``.
 
 For ``s3://`` runs the local directory is pcache's flash tier (``--cache-dir``): a checkpoint is written
 there at local-disk speed, training continues, and pcache's uploader copies ``state/`` to the store in the
@@ -24,26 +27,34 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import atomic_write
-from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.core.errors import LingctlError, NotFoundError, os_error
+from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import ObjectStore, S3Options, StoreURL, open_store, parse_url
 from lingctl.pcache import tier
+from lingctl.train.manifest import (
+    CHECKPOINTS,
+    LATEST,
+    METRICS,
+    RUN_FILES,
+    TOKENIZER,
+    checkpoint_name,
+    checkpoint_step,
+    parse_latest,
+)
+from lingctl.train.owned import LocalPlace, OwnedPlace, StorePlace
+
+__all__ = ["CHECKPOINTS", "LATEST", "METRICS", "STATE_DIR", "TOKENIZER", "RunDir", "checkpoint_name", "staging_dir"]
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest.json"
-METRICS = "metrics.jsonl"
-TOKENIZER = "tokenizer.json"
-CHECKPOINTS = "checkpoints"
 STATE_DIR = "state"  # the pcache (DCP) checkpoint inside each checkpoint directory
 
-
-def checkpoint_name(step: int) -> str:
-    return f"{CHECKPOINTS}/step-{step:08d}"
+_FOREIGN_HINT = ("choose a new --out, or pass --adopt to add the run's files beside the ones there "
+                 "(lingctl never overwrites or deletes a file it did not write)")
 
 
 def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
@@ -53,15 +64,28 @@ def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
 
 
 class RunDir:
-    def __init__(self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None) -> None:
+    def __init__(self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None,
+                 adopt: bool = False) -> None:
+        """``adopt``: the directory may already hold other files; lingctl adds its own beside them."""
         self.url = parse_url(url)
         self.s3 = s3 or S3Options()
+        self.adopt = adopt
         self.store: ObjectStore | None = open_store(self.url, s3) if self.url.is_s3 else None
         self.local = staging_dir(self.url, cache_dir) if self.store is not None else self.url.path
+        self.remote: StorePlace | None = None
+        if self.store is None:
+            self.place = LocalPlace(self.local, hint=_FOREIGN_HINT)
+        else:
+            staging = f"it is the local staging copy of {self.url}: remove it, or pass another --cache-dir"
+            self.place = LocalPlace(self.local, hint=staging, conflict_hint=staging)
+            self.remote = StorePlace(self.store, hint=_FOREIGN_HINT)
         self._uploader: tier.Uploader | None = None
 
     def describe(self) -> str:
         return str(self.url) if self.store is not None else str(self.local)
+
+    def _places(self) -> list[OwnedPlace]:
+        return [self.place] + ([self.remote] if self.remote is not None else [])
 
     # -- state of the run -------------------------------------------------------------------------
     def latest(self) -> dict[str, Any] | None:
@@ -74,14 +98,21 @@ class RunDir:
             path = self.local / LATEST
             if not path.exists():
                 return None
-            raw = path.read_bytes()
+            raw = self._read_local(path)
+        return parse_latest(raw, f"{self.describe()}/{LATEST}")
+
+    def read(self, name: str) -> bytes:
+        """A file of the run (``name`` relative to it; checked, as names from markers are)."""
+        if self.store is not None:
+            return self.store.read(check_relative(name, what="run file"))
+        return self._read_local(join_under(self.local, name, what="run file"))
+
+    @staticmethod
+    def _read_local(path: Path) -> bytes:
         try:
-            data = json.loads(raw)
-            int(data["step"]), str(data["path"])
-        except (ValueError, KeyError, TypeError):
-            raise LingctlError(f"{self.describe()}/{LATEST} is damaged",
-                               hint="point it at a complete checkpoints/step-* directory") from None
-        return data
+            return path.read_bytes()
+        except OSError as exc:
+            raise os_error(exc, str(path)) from exc
 
     def has_content(self) -> bool:
         names = (LATEST, METRICS)
@@ -89,33 +120,60 @@ class RunDir:
             return any(self.store.exists(n) for n in names)
         return any((self.local / n).exists() for n in names)
 
+    def check_fresh(self, *, restart: bool, last_step: int) -> None:
+        """Before anything is written: refuse a directory (or prefix) that holds files lingctl did not write,
+        unless adopting it, and then refuse if a name this run will create is among them."""
+        for place in self._places():
+            place.open(adopt=self.adopt, resume=restart)
+            place.check(RUN_FILES, steps=(0, last_step))
+
     def prepare_fresh(self) -> None:
         if self.store is not None:
             self.store.check()
-            shutil.rmtree(self.local, ignore_errors=True)  # stale staging of an earlier run at this URL
-        self.local.mkdir(parents=True, exist_ok=True)
+            self.place.open(adopt=self.adopt, resume=False)
+            self.place.remove_owned()  # a stale staging of an earlier run at this URL: only what lingctl wrote
+        try:
+            self.local.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, str(self.local)) from exc
+        for place in self._places():
+            place.open(adopt=self.adopt, resume=False)
+            place.claim(RUN_FILES)  # the manifest is the first file written into a new run directory
 
-    def fetch_for_resume(self, latest: dict[str, Any]) -> None:
-        """Bring the committed checkpoint, tokenizer and metrics into the local directory."""
+    def fetch_for_resume(self, latest: dict[str, Any], *, last_step: int, main: bool = True) -> None:
+        """Bring the committed checkpoint, tokenizer and metrics into the local directory. ``main``: this
+        process writes the run's own files (the other workers only read, or fill their node's staging)."""
+        rel = latest["path"]
+        own = [LATEST, METRICS]
+        places = self._places() if main else ([self.place] if self.store is not None else [])
+        for place in places:
+            place.open(adopt=self.adopt, resume=True)
+            place.check(own, steps=(latest["step"], last_step))
+        if self.remote is not None and main:
+            self.remote.claim(own)
         if self.store is None:
-            if not (self.local / latest["path"]).is_dir():
-                raise NotFoundError(f"{LATEST} names {latest['path']}, which is missing from {self.local}")
+            if not join_under(self.local, rel).is_dir():
+                raise NotFoundError(f"{LATEST} names {rel}, which is missing from {self.local}")
+            if main:
+                self.place.claim(own)
             return
-        if self._local_copy_complete(latest["path"]):
-            log.info("resuming from the local copy of %s in %s", latest["path"], self.local)
+        if self._local_copy_complete(rel):
+            log.info("resuming from the local copy of %s in %s", rel, self.local)
+            self.place.claim(own)
             return
-        shutil.rmtree(self.local, ignore_errors=True)
-        self.local.mkdir(parents=True, exist_ok=True)
-        keys = [o.key for o in self.store.list(latest["path"].rstrip("/") + "/")]
+        keys = [o.key for o in self.store.list(rel + "/")]
         if not keys:
-            raise NotFoundError(f"{LATEST} names {latest['path']}, which is missing from {self.describe()}")
+            raise NotFoundError(f"{LATEST} names {rel}, which is missing from {self.describe()}")
+        self.place.claim([rel, TOKENIZER, *own])  # refuses names in the staging directory that are not lingctl's
+        self.place.release([rel])  # a partial copy: fetched again whole
+        self.place.claim([rel])
         for key in keys + [k for k in (TOKENIZER, METRICS) if self.store.exists(k)]:
-            self.store.download(key, self.local / key)
-        state = self.local / latest["path"] / STATE_DIR
+            self.store.download(key, join_under(self.local, key, what="store key"))
+        state = self.local / rel / STATE_DIR
         if state.is_dir():
             problems = tier.verify_local(state)
             if problems:
-                raise LingctlError(f"{self.describe()}/{latest['path']}/{STATE_DIR}: {problems[0]}")
+                raise LingctlError(f"{self.describe()}/{rel}/{STATE_DIR}: {problems[0]}")
 
     def _local_copy_complete(self, rel: str) -> bool:
         """The staged copy of checkpoint ``rel`` is whole: its pcache state verifies against its marker and
@@ -125,15 +183,23 @@ class RunDir:
         if not state.is_dir() or tier.verify_local(state) or not (self.local / TOKENIZER).exists():
             return False
         assert self.store is not None
-        for obj in self.store.list(rel.rstrip("/") + "/"):
+        for obj in self.store.list(rel + "/"):
             if obj.key.startswith(f"{rel}/{STATE_DIR}/"):
                 continue
-            path = self.local / obj.key
+            path = join_under(self.local, obj.key, what="store key")
             if not path.is_file() or path.stat().st_size != obj.size:
                 return False
         return True
 
     # -- writing ----------------------------------------------------------------------------------
+    def claim_checkpoint(self, rel: str, *, main: bool = True) -> None:
+        """List checkpoint ``rel`` as lingctl's before it is written; refuse if it exists and is not.
+        ``main``: the process that writes the run's files; another node's first worker lists it only in its
+        own staging directory (s3:// runs), where its share of the checkpoint lands."""
+        places = self._places() if main else ([self.place] if self.store is not None else [])
+        for place in places:
+            place.claim([rel])
+
     def publish(self, relpaths: list[str]) -> None:
         """Upload files (in order) from the staging directory; a no-op for local runs."""
         if self.store is None:
@@ -172,17 +238,16 @@ class RunDir:
             self.store.write(LATEST, data)
 
     def prune(self, keep: int, current: str) -> None:
-        """Delete all but the newest ``keep`` checkpoints (never the current one)."""
-        local_dirs = sorted(p.name for p in (self.local / CHECKPOINTS).glob("step-*") if p.is_dir())
-        names = local_dirs
-        if self.store is not None:
-            remote = {o.key.split("/")[1] for o in self.store.list(CHECKPOINTS + "/") if o.key.count("/") >= 2}
-            names = sorted(set(local_dirs) | remote)
-        for name in names[:-keep] if keep > 0 else []:
-            rel = f"{CHECKPOINTS}/{name}"
-            if rel == current:
+        """Delete all but the newest ``keep`` checkpoints this run's manifests list (never the current one,
+        never one lingctl did not write). A failure is logged and tried again at the next checkpoint."""
+        places = self._places()
+        listed = sorted({n for p in places if p.manifest is not None for n in p.manifest.entries
+                         if checkpoint_step(n) is not None})
+        doomed = [n for n in listed[:-keep] if n != current] if keep > 0 else []
+        for place in places:
+            if place.manifest is None:
                 continue
-            shutil.rmtree(self.local / rel, ignore_errors=True)
-            if self.store is not None:
-                for obj in list(self.store.list(rel + "/")):
-                    self.store.delete(obj.key)
+            try:
+                place.release(doomed)
+            except LingctlError as exc:
+                log.warning("could not remove an old checkpoint from %s: %s", place.where, exc)

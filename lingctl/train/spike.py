@@ -34,10 +34,25 @@ class SpikeConfig:
     min_lr_scale: float = 0.01
 
     def validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"spike.{name} must be {rule}, got {getattr(self, name)!r}")
+
+        for name in ("warmup_steps", "retry_after_steps", "max_retries"):
+            if getattr(self, name) < 0:
+                raise bad(name, "an integer >= 0")
+        for name in ("window_steps", "max_spikes"):
+            if getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        for name in ("loss_z", "loss_ratio", "grad_z", "grad_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise bad(name, "a finite number > 0")
         if not 0.0 < self.ema_beta < 1.0:
-            raise ValueError(f"spike.ema_beta must be in (0, 1), got {self.ema_beta}")
+            raise bad("ema_beta", "in (0, 1)")
         if not 0.0 < self.lr_factor <= 1.0:
-            raise ValueError(f"spike.lr_factor must be in (0, 1], got {self.lr_factor}")
+            raise bad("lr_factor", "in (0, 1]")
+        if not 0.0 < self.min_lr_scale <= 1.0:
+            raise bad("min_lr_scale", "in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -82,8 +97,8 @@ class SpikeGuard:
 
     def check_loss(self, loss: float) -> Verdict:
         c = self.config
-        if not math.isfinite(loss):
-            return Verdict(self.config.enabled, "loss is not finite")
+        if not math.isfinite(loss):  # never applied, guard or not: one such update ruins the weights
+            return Verdict(True, f"loss is {loss}")
         if self._armed() and self.loss.z(loss) > c.loss_z and loss > c.loss_ratio * self.loss.mean:
             return Verdict(True, f"loss {loss:.4g} vs EMA {self.loss.mean:.4g} (z={self.loss.z(loss):.1f})")
         return Verdict(False)
@@ -91,7 +106,7 @@ class SpikeGuard:
     def check_grad(self, grad_norm: float) -> Verdict:
         c = self.config
         if not math.isfinite(grad_norm):
-            return Verdict(self.config.enabled, "gradient norm is not finite")
+            return Verdict(True, f"gradient norm is {grad_norm}")
         if (self._armed() and self.grad.count >= c.warmup_steps and self.grad.z(grad_norm) > c.grad_z
                 and grad_norm > c.grad_ratio * self.grad.mean):
             return Verdict(True, f"grad norm {grad_norm:.4g} vs EMA {self.grad.mean:.4g} "

@@ -24,12 +24,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.config import to_dict
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
+from lingctl.core.names import join_under
 from lingctl.model.checkpoint import save_checkpoint
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import load_safetensors
 from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
+from lingctl.pcache.tier import read_marker
 from lingctl.train import losses, schedule
 from lingctl.train.config import TrainConfig, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
@@ -45,6 +47,11 @@ STATE_FILE = "train_state.pt"  # the training state of checkpoints written befor
 CONFIG_FILE = "train_config.json"
 
 Record = dict[str, Any]
+
+
+class TrainingDiverged(LingctlError):
+    """The run stopped because it could not go on usefully: every recent step was skipped, or a value the
+    update needs is not a finite number. Nothing is saved after the last good checkpoint."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,6 +109,7 @@ class Trainer:
         self.guard = SpikeGuard(config=config.spike)
         self.elapsed_before = 0.0
         self.resumed_from: int | None = None
+        self.skipped_in_a_row = 0  # attempts since the last applied step
 
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -110,11 +118,15 @@ class Trainer:
         latest = self.run.latest() if self.resume else None
         if latest is not None:
             if w.local_rank == 0:  # one copy per node
-                self.run.fetch_for_resume(latest)
+                self.run.fetch_for_resume(latest, last_step=c.steps, main=w.is_main)
             w.barrier()
         elif self.run.has_content() and not self.restart:
             raise UsageError(f"{self.run.describe()} already holds a training run",
                              hint="pass --resume to continue it, or choose another --out")
+        else:
+            # Before the data is read and before anything is written: a directory holding files lingctl did
+            # not write is refused (or, adopted, its names are kept out of the run's way).
+            self.run.check_fresh(restart=self.restart, last_step=c.steps)
         tokenizer_path = self.run.local / TOKENIZER if latest is not None else None
         if latest is None and not w.is_main:
             # Workers use rank 0's tokenizer, sent over the process group: no shared directory is needed.
@@ -164,7 +176,7 @@ class Trainer:
         return name
 
     def _load_state(self, latest: dict[str, Any]) -> None:
-        ckpt = self.run.local / latest["path"]
+        ckpt = join_under(self.run.local, latest["path"], what="latest.json path")
         if (ckpt / STATE_DIR).is_dir():
             state = self._load_pcache_state(ckpt / STATE_DIR)
         else:
@@ -174,6 +186,17 @@ class Trainer:
             self.model.load_state_dict(weights, strict=True)
             state = torch.load(ckpt / STATE_FILE, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self._restore(state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VerificationError(f"{ckpt}: the saved training state is damaged ({type(exc).__name__}: {exc})",
+                                    hint="resume from another checkpoint, or start a new run") from None
+        if self.metrics_path is not None:
+            self._truncate_metrics(self.step)
+        log.info("resumed %s at step %d", self.run.describe(), self.step)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Position, guard, router statistics and RNG from a checkpoint's training state."""
         if state["fingerprint"] != self.data.fingerprint:
             raise LingctlError("the training data changed since this run was checkpointed "
                                f"(fingerprint {state['fingerprint']} -> {self.data.fingerprint})",
@@ -186,13 +209,17 @@ class Trainer:
         self.position = _Position(state["cursor"], [_Retry(**r) for r in state["retries"]])
         self.elapsed_before = state["elapsed_s"]
         self.resumed_from = self.step
-        if self.metrics_path is not None:
-            self._truncate_metrics(self.step)
-        log.info("resumed %s at step %d", self.run.describe(), self.step)
 
     def _load_pcache_state(self, directory: Any) -> dict[str, Any]:
         """Model and optimizer from the run's pcache checkpoint; returns the rest of the training state."""
-        saved = json.loads((directory / "pcache.json").read_text()).get("world_size", 1)
+        marker = read_marker(directory)  # one line and exit 4 when it is not a pcache marker
+        if marker is None:
+            raise NotFoundError(f"{directory}: the checkpoint has no commit marker (its save did not finish)",
+                                hint="resume from a complete checkpoint")
+        saved = marker.get("world_size", 1)
+        if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
+            raise VerificationError(f"{directory}: the commit marker's world_size {saved!r} is not a worker count",
+                                    hint="the checkpoint is damaged; resume from another one")
         if saved != self.workers.world:
             raise UsageError(f"the run was checkpointed by {saved} worker(s); this job has {self.workers.world}",
                              hint=f"resume with --nproc {saved}")
@@ -213,10 +240,12 @@ class Trainer:
         continue the file as if there had been no interruption."""
         kept = []
         if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
+            for line in self.metrics_path.read_text(errors="replace").splitlines():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
+                    continue
+                if not isinstance(record, dict):
                     continue
                 if record.get("step", 0) <= step and not (record.get("event") == "done"):
                     if record.get("step") == step and record.get("event") not in ("step", "eval", "checkpoint"):
@@ -350,6 +379,8 @@ class Trainer:
         rows, tries = self._next_batch()
         alpha = self._set_routing_warmup()
         lr = self._lr()
+        if not math.isfinite(lr):
+            self._diverged(f"the learning rate is {lr}")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
@@ -364,17 +395,25 @@ class Trainer:
         loss_value = self.workers.mean(float(loss.detach())) if self._synchronous() else float(loss.detach())
         grad_norm = float("nan")
         verdict = self.guard.check_loss(loss_value)
+        finite = math.isfinite(loss_value)
         if not verdict.spike:
             loss.backward()
             self._after_backward()
             clip = c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+            finite = math.isfinite(grad_norm)
             verdict = self.guard.check_grad(grad_norm)
         if verdict.spike:
             self.optimizer.zero_grad(set_to_none=True)
             self._on_spike(rows, tries, loss_value, grad_norm, verdict.reason)
             self.attempt += 1
+            self.skipped_in_a_row += 1
+            if not finite and not self._parameters_finite():
+                self._diverged(f"the model's parameters are no longer finite ({verdict.reason})")
+            if self.skipped_in_a_row >= c.max_consecutive_skips:
+                self._diverged(f"{self.skipped_in_a_row} steps in a row were skipped (last: {verdict.reason})")
             return None
+        self.skipped_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.accept(loss_value, grad_norm)
@@ -398,6 +437,17 @@ class Trainer:
             record["retried"] = True
         self._emit(record)
         return record
+
+    def _parameters_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def _diverged(self, why: str) -> None:
+        """End the run: a metrics record saying why, then one line for the user (exit 1). Nothing is saved,
+        so the last checkpoint stays the last good state."""
+        message = f"training diverged after step {self.step}: {why}"
+        self._emit({"event": "diverged", "step": self.step, "attempt": self.attempt, "reason": why})
+        raise TrainingDiverged(message, hint="start a new run with a lower --lr; the last checkpoint, if any, "
+                                             "predates this step")
 
     def _on_spike(self, rows: list[int], tries: int, loss: float, grad_norm: float, reason: str) -> None:
         c = self.config.spike
@@ -445,6 +495,9 @@ class Trainer:
     def _save(self, start: float) -> str:
         rel = checkpoint_name(self.checkpoint_step())
         directory = self.run.local / rel
+        if self.workers.local_rank == 0:  # listed as lingctl's before any worker writes into it
+            self.run.claim_checkpoint(rel, main=self.workers.is_main)
+        self.workers.barrier()
         if self.workers.is_main:
             save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
         meta = {

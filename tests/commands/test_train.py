@@ -156,3 +156,10 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
     assert done["resumed_from"] == 8 and done["steps"] == 10
     body = client.get_object(Bucket=s3_bucket, Key="runs/a/metrics.jsonl")["Body"].read().decode()
     assert [json.loads(x)["step"] for x in body.splitlines() if '"event": "step"' in x] == list(range(1, 11))
+    # The store's manifest lists what the run wrote there; pruning (keep 2) removed step 4 through it.
+    manifest = json.loads(client.get_object(Bucket=s3_bucket, Key="runs/a/lingctl-run.json")["Body"].read())
+    assert set(manifest["entries"]) == {"latest.json", "metrics.jsonl", "tokenizer.json",
+                                        "checkpoints/step-00000008", "checkpoints/step-00000010"}
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="runs/a/")["Contents"]}
+    assert not any(k.startswith("runs/a/checkpoints/step-00000004/") for k in keys)
+    assert any(k.startswith("runs/a/checkpoints/step-00000010/") for k in keys)

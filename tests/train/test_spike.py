@@ -49,3 +49,9 @@ def test_repeated_spikes_in_a_window_lower_the_lr_and_state_round_trips() -> Non
     clone = SpikeGuard(config=SpikeConfig())
     clone.load_state_dict(guard.state_dict())
     assert clone.state_dict() == guard.state_dict()
+
+
+def test_non_finite_values_are_never_applied_even_with_the_guard_off() -> None:
+    guard = warmed(SpikeConfig(enabled=False))
+    assert not guard.check_loss(50.0).spike  # off: ordinary spikes pass
+    assert guard.check_loss(float("nan")).spike and guard.check_grad(float("inf")).spike

@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lingctl.train.config import DataConfig, TrainConfig
 from lingctl.train.rundir import RunDir
 from lingctl.train.schedule import learning_rate
 from lingctl.train.spike import SpikeConfig
-from lingctl.train.trainer import Trainer
+from lingctl.train.trainer import Trainer, TrainingDiverged
 
 
 def make(tmp_path: Path, corpus: Path, **kw: Any) -> tuple[Trainer, list[dict]]:
@@ -69,3 +70,25 @@ def test_routing_warmup_and_batch_warmup_show_in_the_records(tmp_path: Path, tex
     assert [r["routing_alpha"] for r in steps] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     assert [r["batch_size"] for r in steps][0] == 2 and steps[-1]["batch_size"] == 8
     assert all(len(r["expert_load"]) == 1 for r in steps)  # tiny: one MoE layer after one dense layer
+
+
+def test_steps_skipped_in_a_row_end_the_run_and_nothing_is_saved(tmp_path: Path, text_corpus: Path) -> None:
+    spike = SpikeConfig(warmup_steps=3, max_spikes=100)
+    trainer, records = make(tmp_path, text_corpus, steps=30, spike=spike, max_consecutive_skips=4,
+                            inject_spikes=list(range(5, 30)), inject_spike_factor=100.0)
+    with pytest.raises(TrainingDiverged, match="4 steps in a row were skipped"):
+        trainer.train()
+    events = [r["event"] for r in records]
+    assert events == ["step"] * 5 + ["spike"] * 4 + ["diverged"]
+    assert not (tmp_path / "run" / "latest.json").exists()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(records)
+
+
+def test_non_finite_parameters_end_the_run_at_once_even_with_the_guard_off(tmp_path: Path, text_corpus: Path) -> None:
+    trainer, records = make(tmp_path, text_corpus, steps=10, spike=SpikeConfig(enabled=False))
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingDiverged, match="parameters are no longer finite"):
+        trainer.train()
+    assert [r["event"] for r in records] == ["spike", "diverged"]  # the NaN update was never applied
+    assert not (tmp_path / "run" / "latest.json").exists()
