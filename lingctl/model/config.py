@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,12 @@ class LingConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise UsageError(f"model config: {name} must be a positive integer, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            # NaN compares false both ways, so a plain "<= 0" would let it through into the rotary tables.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise UsageError(f"model config: {name} must be a finite number > 0, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UsageError(f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")

@@ -90,6 +90,9 @@ def test_wrong_model_type_is_an_error() -> None:
 @pytest.mark.parametrize(("overrides", "field"), [
     ({"num_attention_heads": 6, "num_key_value_heads": 4, "head_dim": 16}, "num_key_value_heads"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"rope_theta": float("nan")}, "rope_theta"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
 ])
 def test_invalid_shapes_name_the_field(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(UsageError) as info:
