@@ -1,1 +1,17 @@
+from pathlib import Path
+
+import pytest
+
 from tests.flood.conftest import text_ckpt, tiny_ckpt  # noqa: F401  (checkpoint fixtures shared with flood tests)
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> Path:
+    """A finished 2-step tiny run with one checkpoint (step 2); tests damage copies of it, never the run."""
+    from tests.conftest import run_lingctl
+
+    run = tmp_path_factory.mktemp("small") / "run"
+    res = run_lingctl("train", "--preset", "tiny", "--eval-every", "0", "--steps", "2", "--save-every", "2",
+                      "--data", str(text_corpus), "--out", str(run))
+    assert res.returncode == 0, res.stderr
+    return run

@@ -45,17 +45,6 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> Path:
-    """A finished 2-step run with one checkpoint; tests damage copies of it."""
-    from tests.conftest import run_lingctl
-
-    run = tmp_path_factory.mktemp("small") / "run"
-    res = run_lingctl(*TINY, "--steps", "2", "--save-every", "2", "--data", str(text_corpus), "--out", str(run))
-    assert res.returncode == 0, res.stderr
-    return run
-
-
 def test_out_on_a_users_directory_is_refused_and_every_file_stays_byte_identical(capsys, tmp_path, text_corpus):
     # The reported case: the user's own checkpoints/step-* folders and tokenizer.json.
     user = tmp_path / "userdir"
