@@ -8,7 +8,8 @@ lingctl's default state location for S3 destinations (``$LINGCTL_CACHE_DIR`` or 
 then ``babel/<hash>``) holds a journal whose names are joined to paths and whose sqlite file is written.
 When that location lies in a place other users can write to (below ``/tmp``, ``/dev/shm``, a directory
 of mode 0777), the cache directory and every directory below it must be ours and private
-(``lingctl.core.private_dir``), or the sync is refused: another user could have created them first.
+(``lingctl.core.private_dir``), or the sync is refused: another user could have created them first. Those
+lingctl creates are 0700; an existing one of yours may be readable by others (0755), never writable.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from lingctl.core.errors import LingctlError, NotFoundError, UsageError, os_erro
 from lingctl.core.names import printable
 from lingctl.core.private_dir import check_private_dir, create_exclusive, ensure_private_dir
 from lingctl.core.storage.url import StoreURL
+
+# A cache directory others can read leaks only the names of synced objects; one they can write to lets them
+# plant links where the journal will be written.
+_WRITE_BY_OTHERS = 0o022
 
 
 def prepare(src: StoreURL, dst: StoreURL, state_dir: Path | None, *, dry_run: bool) -> Path | None:
@@ -105,16 +110,16 @@ def _in_shared_place(path: Path) -> bool:
 
 
 def _private_chain(first: Path, state: Path, *, create: bool) -> None:
-    """Every directory from ``first`` down to ``state`` is ours, mode 0700, and not a link; created so when
-    ``create``, else checked as far as it exists (a dry run creates nothing). Each one checked protects
-    the next: nobody else can add, rename or replace entries in it."""
+    """Every directory from ``first`` down to ``state`` is ours, not writable by others, and not a link;
+    created 0700 when ``create``, else checked as far as it exists (a dry run creates nothing). Each one
+    checked protects the next: nobody else can add, rename or replace entries in it."""
     chain = [first]
     for part in state.relative_to(first).parts:
         chain.append(chain[-1] / part)
     for directory in chain:
         if create:
-            ensure_private_dir(directory)
+            ensure_private_dir(directory, deny=_WRITE_BY_OTHERS)
         elif os.path.lexists(directory):
-            check_private_dir(directory)
+            check_private_dir(directory, deny=_WRITE_BY_OTHERS)
         else:
             return

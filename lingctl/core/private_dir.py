@@ -19,9 +19,10 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def ensure_private_dir(path: Path | str) -> Path:
+def ensure_private_dir(path: Path | str, *, deny: int = 0o077) -> Path:
     """Create ``path`` (mode 0700) or check the one that is there: a real directory, owned by this user,
-    not readable or writable by others. Anything else is an ``AccessDeniedError`` naming the problem."""
+    with none of the ``deny`` permission bits (default: no access at all for others). Anything else is an
+    ``AccessDeniedError`` naming the problem."""
     path = Path(path)
     try:
         os.mkdir(path, 0o700)
@@ -29,13 +30,14 @@ def ensure_private_dir(path: Path | str) -> Path:
         pass
     except OSError as exc:
         raise os_error(exc, str(path)) from exc
-    check_private_dir(path)
+    check_private_dir(path, deny=deny)
     return path
 
 
-def check_private_dir(path: Path | str, *, owner: int | None = None) -> None:
-    """Refuse ``path`` unless it is a directory (not a link to one) owned by ``owner`` (default: us) with no
-    access for others. Root reading another user's files passes that user as ``owner``."""
+def check_private_dir(path: Path | str, *, owner: int | None = None, deny: int = 0o077) -> None:
+    """Refuse ``path`` unless it is a directory (not a link to one) owned by ``owner`` (default: us) with none
+    of the ``deny`` bits. Root reading another user's files passes that user as ``owner``. ``deny=0o022``
+    accepts a directory others may read but not change: nobody else can plant or replace entries in it."""
     path = Path(path)
     uid = os.geteuid() if owner is None else owner
     try:
@@ -49,7 +51,7 @@ def check_private_dir(path: Path | str, *, owner: int | None = None) -> None:
     if st.st_uid != uid:
         raise AccessDeniedError(f"{path} belongs to uid {st.st_uid}, not to uid {uid}; refusing to use it",
                                 hint=hint)
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if stat.S_IMODE(st.st_mode) & deny:
         raise AccessDeniedError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
                                 "refusing to use it", hint=f"chmod 700 {path}")
 

@@ -225,7 +225,7 @@ def test_unusable_state_dirs_are_one_line_errors(lingctl, tmp_path: Path) -> Non
     assert r.returncode == 2 and "cannot create the destination directory" in one_line_error(r.stderr)
 
 
-@pytest.mark.parametrize("how", ["fresh", "open to others", "another user's"])
+@pytest.mark.parametrize("how", ["fresh", "readable by others", "open to others", "another user's"])
 def test_default_state_dir_in_a_shared_place_must_be_private(tmp_path: Path, monkeypatch, how: str) -> None:
     shared = tmp_path / "shared"  # like /tmp: anyone may create entries
     shared.mkdir()
@@ -240,6 +240,11 @@ def test_default_state_dir_in_a_shared_place_must_be_private(tmp_path: Path, mon
             assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700
         return
     cache.mkdir()
+    if how == "readable by others":  # mkdir's usual 0755: nobody else can plant entries, so it is used
+        cache.chmod(0o755)
+        state = prepare(src, dst, None, dry_run=False)
+        assert state.is_dir() and (state.stat().st_mode & 0o777) == 0o700
+        return
     if how == "open to others":
         cache.chmod(0o777)
     else:
