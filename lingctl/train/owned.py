@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
 
-from lingctl.core.atomic import TMP_MARKER, atomic_write
+from lingctl.core.atomic import atomic_write, is_tmp_name
 from lingctl.core.errors import NotFoundError, UsageError, os_error
 from lingctl.core.names import join_under
 from lingctl.core.storage import ObjectStore
@@ -150,7 +150,7 @@ class LocalPlace(OwnedPlace):
     def is_empty(self) -> bool:
         try:
             with os.scandir(self.root) as it:
-                return not any(TMP_MARKER not in e.name for e in it)
+                return all(is_tmp_name(e.name) for e in it)  # a user's file that merely holds the marker counts
         except FileNotFoundError:
             return True
         except OSError as exc:
