@@ -213,7 +213,11 @@ class Engine:
                     continue
                 step = in_flight.pop(0)
                 logits = self.runner.result()
-                sched.complete(step, lambda seq, row: self._on_sample(sched, seq, logits[row], done))
+                # Greedy rows' tokens in one call instead of one per row: argmax takes the first maximum
+                # either way, so the tokens are the same.
+                firsts = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+                sched.complete(step, lambda seq, row: self._on_sample(
+                    sched, seq, logits[row], done, greedy_token=firsts[row] if seq.sampling.greedy else None))
                 yield from done
                 done.clear()
                 self._update_stats(sched, started)
@@ -222,11 +226,12 @@ class Engine:
         finally:
             self._update_stats(sched, started)
 
-    def _on_sample(self, sched: Scheduler, seq: Sequence, logits_V: torch.Tensor, done: list[GenResult]) -> None:
+    def _on_sample(self, sched: Scheduler, seq: Sequence, logits_V: torch.Tensor, done: list[GenResult], *,
+                   greedy_token: int | None = None) -> None:
         reason: str | None = None
         stop_text: str | None = None
         try:
-            token = sample(logits_V, seq.sampling, seq.state)
+            token = greedy_token if greedy_token is not None else sample(logits_V, seq.sampling, seq.state)
             seq.tokens.append(token)
             self.stats.generated_tokens += 1
             if token in self.eos_ids:

@@ -20,15 +20,19 @@ Shape legend: T tokens in the step, D hidden, H query heads, K kv heads, Dh head
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingctl.flood.segment_cache import KVPool
-from lingctl.model.ling import LingForCausalLM
 from lingctl.flood.experts import StackedExperts, routed_experts
+from lingctl.flood.native import Kernels, kernels
+from lingctl.flood.packed import PackedLinear
+from lingctl.flood.segment_cache import KVPool
+from lingctl.model.layers import apply_rope, rope_cos_sin
+from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import SparseMoeBlock
 
 MIN_ROWS = 4
@@ -79,19 +83,74 @@ def _causal_mask(q_len: int, keys: int) -> torch.Tensor:
     return torch.ones(q_len, keys, dtype=torch.bool).tril(keys - q_len)
 
 
-def attention_step(attn: nn.Module, pool: KVPool, layer: int, x_TD: torch.Tensor, positions_T: torch.Tensor,
-                   slots_T: torch.Tensor, units: list[AttentionUnit], real: int) -> torch.Tensor:
+@dataclass(slots=True)
+class NativeUnits:
+    """A step's attention units as the native kernel reads them (built once per step, used by every layer):
+    ``units_U4`` rows (q_start, q_len, key offset, key count) into ``keys``, the units' slots in order."""
+
+    kernels: Kernels
+    units_U4: torch.Tensor
+    keys: torch.Tensor
+    max_keys: int
+
+    @staticmethod
+    def build(native: Kernels, units: list[AttentionUnit]) -> NativeUnits:
+        rows: list[int] = []
+        keys: list[int] = []
+        longest = 0
+        for unit in units:
+            n = unit.keys
+            rows += (unit.q_start, unit.q_len, len(keys), n)
+            for a, b in unit.ranges:
+                keys.extend(range(a, b))
+            longest = max(longest, n)
+        return NativeUnits(kernels=native, units_U4=torch.tensor(rows, dtype=torch.long).view(-1, 4),
+                           keys=torch.tensor(keys, dtype=torch.long), max_keys=longest)
+
+
+def rope_tables(positions_T: torch.Tensor, attn: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, Dh] for the step's positions: the same for every layer, so computed once per step (the
+    model's own ``project`` recomputes them per layer)."""
+    cos, sin = rope_cos_sin(positions_T, attn.head_dim, attn.rope_theta, dtype)
+    return cos.unsqueeze(0), sin.unsqueeze(0)  # [1, T, Dh], broadcast over heads as apply_rope expects
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def project(attn: nn.Module, qkv_proj: Linear, x_TD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Attention.project`` with precomputed rotary tables: q [H, T, Dh], k and v [K, T, Dh]."""
+    t = x_TD.shape[0]
+    qkv = qkv_proj(x_TD).view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+    q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0], v
+
+
+def attention_step(attn: nn.Module, ops: LayerOps, pool: KVPool, layer: int, x_TD: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, slots_T: torch.Tensor, units: list[AttentionUnit],
+                   real: int, native: NativeUnits | None = None) -> torch.Tensor:
     """Project, store this step's k/v, then attend unit by unit. Units cover rows ``[0, real)`` in order, so
     their outputs concatenate into the step's rows; padding rows get zeros.
 
     Batching the decode units into one call over keys gathered and padded to a common length was measured
-    (64 requests, 4 layers): the gather cost what the saved calls gained, and each unit's result would
-    then depend on the padding rule as well, so units stay one call each."""
-    q, k, v = attn.project(x_TD.unsqueeze(0), positions_T.unsqueeze(0))  # q [1,H,T,Dh], k/v [1,K,T,Dh]
-    pool.write(layer, slots_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    twice (64 requests, 4 layers; the second time with ``index_select``, 6x faster than indexing, and
+    padding per unit so results stay batch-free): a batched SDPA over 20 one-token queries cost what 20
+    separate calls do (256 vs 227 us) and the gather came on top, so units stay one call each."""
+    q_HTD, k_KTD, v_KTD = project(attn, ops.qkv, x_TD, cos, sin)
+    pool.write(layer, slots_T, k_KTD.transpose(0, 1), v_KTD.transpose(0, 1))
     k_pool, v_pool = pool.k[layer], pool.v[layer]  # [capacity, K, Dh]
+    if native is not None:
+        t = x_TD.shape[0]
+        q_THD = q_HTD.transpose(0, 1).contiguous()
+        out_THD = q_THD.new_zeros(t, attn.num_heads, attn.head_dim)
+        native.kernels.attention(q_THD, k_pool, v_pool, native.units_U4, native.keys, attn.head_dim ** -0.5,
+                                 out_THD, native.max_keys)
+        return ops.dense(out_THD.view(t, attn.num_heads * attn.head_dim))
     groups = attn.num_heads // attn.num_kv_heads
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
+    q = q_HTD.unsqueeze(0)
     outs: list[torch.Tensor] = []
     for unit in units:
         ranges = unit.ranges
@@ -112,26 +171,114 @@ def attention_step(attn: nn.Module, pool: KVPool, layer: int, x_TD: torch.Tensor
     if real < t:
         outs.append(q.new_zeros(1, attn.num_heads, t - real, attn.head_dim))
     out_1HTD = torch.cat(outs, dim=2)
-    return attn.dense(out_1HTD[0].transpose(0, 1).reshape(t, attn.num_heads * attn.head_dim))
+    return ops.dense(out_1HTD[0].transpose(0, 1).reshape(t, attn.num_heads * attn.head_dim))
 
 
-def mlp_step(mlp: nn.Module, x_TD: torch.Tensor, real: int, stacked: StackedExperts | None) -> torch.Tensor:
+class FusedMLP:
+    """A float SwiGLU ``MLP`` (dense layer or shared expert) with gate and up fused input-major, ``[D, 2W]``,
+    and down ``[W, D]``: two products instead of three, each reading its weight row-major. The module's
+    parameters become views of these (no second copy)."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        w = mlp.gate_proj.out_features
+        with torch.no_grad():
+            gate_up_DX = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous()
+            down_WD = mlp.down_proj.weight.t().contiguous()
+            mlp.gate_proj.weight = nn.Parameter(gate_up_DX[:, :w].t(), requires_grad=False)
+            mlp.up_proj.weight = nn.Parameter(gate_up_DX[:, w:].t(), requires_grad=False)
+            mlp.down_proj.weight = nn.Parameter(down_WD.t(), requires_grad=False)
+        self.width = w
+        self.gate_up = PackedLinear(gate_up_DX.t())
+        self.down = PackedLinear(down_WD.t())
+
+    @staticmethod
+    def usable(mlp: nn.Module) -> bool:
+        return (all(type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+                and mlp.gate_proj.bias is None and mlp.down_proj.bias is None
+                and mlp.gate_proj.weight.device.type != "meta")
+
+    def __call__(self, x_TD: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up(x_TD)
+        return self.down(F.silu(h[:, :self.width]) * h[:, self.width:])
+
+
+def _input_major(linear: nn.Module) -> None:
+    """Store a float linear's weight as ``[in, out]`` contiguous (``weight`` stays its ``[out, in]`` view), so
+    ``F.linear`` reads it row-major: faster on weights that are not in cache; the same values to rounding
+    (bit for bit in the shapes measured), and a row's result still does not depend on the other rows."""
+    if type(linear) is not nn.Linear:
+        return
+    w = linear.weight
+    if w.device.type == "meta" or w.dim() != 2 or w.t().is_contiguous():
+        return
+    with torch.no_grad():
+        linear.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+
+
+def _fast(linear: nn.Module) -> Linear:
+    """The packed form of a float linear, else the module itself (int8 layers)."""
+    _input_major(linear)
+    packed = PackedLinear.of(linear)
+    return packed if packed is not None else linear
+
+
+@dataclass(slots=True)
+class LayerOps:
+    qkv: Linear
+    dense: Linear
+
+
+def _mlp(mlp: nn.Module, fused: FusedMLP | None, x_TD: torch.Tensor) -> torch.Tensor:
+    return fused(x_TD) if fused is not None else mlp(x_TD)
+
+
+class PackedRouter:
+    """``Router.forward`` for inference (no warmup noise) with the router's product packed like the other
+    linears: the same softmax in float32, top-k and renormalisation."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        self.linear = PackedLinear(gate.weight)
+        self.top_k = gate.top_k
+        self.norm_topk_prob = gate.norm_topk_prob
+
+    @staticmethod
+    def usable(gate: nn.Module) -> bool:
+        return (gate.weight.device.type == "cpu" and gate.weight.dtype in (torch.float32, torch.bfloat16)
+                and getattr(gate, "warmup_alpha", 1.0) >= 1.0)
+
+    def __call__(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = self.linear(x_TD).to(torch.float32).softmax(dim=-1)
+        weight, idx = torch.topk(probs, k=self.top_k, dim=-1, sorted=False)
+        if self.top_k > 1 and self.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return idx, weight
+
+
+def mlp_step(mlp: nn.Module, x_TD: torch.Tensor, real: int, stacked: StackedExperts | None,
+             fused: FusedMLP | None, router: PackedRouter | None = None) -> torch.Tensor:
     """The layer's MLP. Of a MoE layer, only the ``real`` rows are routed: padding rows would otherwise pick
-    experts of their own (a one-token step would run up to 4x the experts)."""
+    experts of their own (a one-token step would run up to 4x the experts). ``fused`` is the shared expert
+    of a MoE layer, or the MLP of a dense one."""
     if isinstance(mlp, SparseMoeBlock):
-        route = mlp.gate(x_TD)
+        if router is not None:
+            idx_TK, weight_TK = router(x_TD)
+        else:
+            route = mlp.gate(x_TD)
+            idx_TK, weight_TK = route.topk_idx_TK, route.topk_weight_TK
         y = x_TD.new_zeros(x_TD.shape)
-        y[:real] = routed_experts(mlp, stacked, x_TD[:real], route.topk_idx_TK[:real], route.topk_weight_TK[:real],
-                                  MIN_ROWS)
+        y[:real] = routed_experts(mlp, stacked, x_TD[:real], idx_TK[:real], weight_TK[:real], MIN_ROWS)
         if mlp.shared_experts is not None:
-            y = y + mlp.shared_experts(x_TD)
+            y = y + _mlp(mlp.shared_experts, fused, x_TD)
         return y
-    return mlp(x_TD)
+    return _mlp(mlp, fused, x_TD)
 
 
 class StageModel:
     """The layers ``[first, last)`` of a model with their KV pools; stage 0 embeds, the last stage adds the
-    final norm and the head. One stage holds the whole model in a single process."""
+    final norm and the head. One stage holds the whole model in a single process.
+
+    Building one rearranges the float weights of its layers for inference (input-major, gate and up fused,
+    experts stacked); the model computes the same function afterwards and its parameters keep their names."""
 
     def __init__(self, model: LingForCausalLM, pool: KVPool, first: int, last: int) -> None:
         self.model = model
@@ -140,10 +287,32 @@ class StageModel:
         self.is_first = first == 0
         self.is_last = last == model.config.num_hidden_layers
         self.stacked: dict[int, StackedExperts] = {}
+        self.fused: dict[int, FusedMLP] = {}
+        self.routers: dict[int, PackedRouter] = {}
+        self.ops: dict[int, LayerOps] = {}
         for i in range(first, last):
-            mlp = model.model.layers[i].mlp
-            if isinstance(mlp, SparseMoeBlock) and StackedExperts.usable(mlp):
-                self.stacked[i] = StackedExperts(mlp, MIN_ROWS)
+            layer = model.model.layers[i]
+            self.ops[i] = LayerOps(qkv=_fast(layer.attention.query_key_value), dense=_fast(layer.attention.dense))
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                if StackedExperts.usable(mlp):
+                    self.stacked[i] = StackedExperts(mlp, MIN_ROWS)
+                if PackedRouter.usable(mlp.gate):
+                    self.routers[i] = PackedRouter(mlp.gate)
+                dense = mlp.shared_experts
+            else:
+                dense = mlp
+            if dense is not None and FusedMLP.usable(dense):
+                self.fused[i] = FusedMLP(dense)
+        # float32 attention through the native kernel (all units, so results stay batch-free)
+        self.native = kernels() if pool.dtype == torch.float32 else None
+        self.head: Linear | None = None
+        if self.is_last and not model.config.norm_head:
+            # (NormHead is baked in by loaders; an unbaked head is normalised per call by ``logits``.)
+            if model.lm_head.weight is not model.model.word_embeddings.weight:
+                self.head = _fast(model.lm_head)
+            else:
+                self.head = PackedLinear.of(model.lm_head)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, hidden_TD: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,11 +327,19 @@ class StageModel:
             x = hidden_TD
         layers = self.model.model.layers
         real = batch.real_tokens or len(batch.token_ids)
+        cos = sin = None
+        native = (NativeUnits.build(self.native, batch.units)
+                  if self.native is not None and x.dtype == torch.float32 else None)
         for i in range(self.first, self.last):
             layer = layers[i]
-            x = x + attention_step(layer.attention, self.pool, i - self.first, layer.input_layernorm(x),
-                                   positions, slots, batch.units, real)
-            x = x + mlp_step(layer.mlp, layer.post_attention_layernorm(x), real, self.stacked.get(i))
+            h = layer.input_layernorm(x)
+            if cos is None:
+                cos, sin = rope_tables(positions, layer.attention, h.dtype)
+            assert sin is not None
+            x = x + attention_step(layer.attention, self.ops[i], self.pool, i - self.first, h, cos, sin, slots,
+                                   batch.units, real, native)
+            x = x + mlp_step(layer.mlp, layer.post_attention_layernorm(x), real, self.stacked.get(i),
+                             self.fused.get(i), self.routers.get(i))
         if not self.is_last:
             return x
         rows = list(batch.sample_rows)
@@ -171,4 +348,5 @@ class StageModel:
             return x.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         rows += [rows[-1]] * max(0, MIN_ROWS - n)
         h = self.model.model.norm(x[torch.tensor(rows, dtype=torch.long)])
-        return self.model.logits(h)[:n].to(torch.float32)
+        logits = self.head(h) if self.head is not None else self.model.logits(h)
+        return logits[:n].to(torch.float32)

@@ -97,9 +97,9 @@ def test_batch_invariance_is_bitwise_for_the_logits(model):
     seen: dict[int, list[torch.Tensor]] = {}
 
     class Recording(Engine):
-        def _on_sample(self, sched, seq, logits_V, done):
+        def _on_sample(self, sched, seq, logits_V, done, **kwargs):
             seen.setdefault(seq.key.key, []).append(logits_V.clone())
-            super()._on_sample(sched, seq, logits_V, done)
+            super()._on_sample(sched, seq, logits_V, done, **kwargs)
 
     ps = prompts(9, seed=5)
     sampling = SamplingParams(max_tokens=4, temperature=0.0)

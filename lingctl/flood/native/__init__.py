@@ -1,0 +1,162 @@
+"""flood's float32 CPU kernels (``kernels.c``): routed experts and attention over the segment KV cache.
+
+Why: a decode step of a fine-grained MoE is hundreds of tiny products. Through torch each expert's
+product is an MKL call that packs its 256 KB weight before using it for ~6 rows (measured ~35 us where the
+arithmetic needs ~4 us), and each request's attention is one SDPA call (~29 us). These kernels walk the
+experts and the requests themselves, reading each weight row once per 8 rows, in one call per layer.
+
+Built on first use with the system C compiler (``cc -O3 -march=native``, well under a second) into
+lingctl's private cache directory (``$LINGCTL_CACHE_DIR/native``, created 0700 and owner-checked), keyed by
+the source, the compiler and the CPU, and loaded with ctypes (the GIL is released during a call). Where
+there is no compiler, the build fails, or ``LINGCTL_FLOOD_NATIVE=0`` is set, ``kernels()`` returns None
+and flood uses torch's operators, computing the same function to rounding.
+
+Only the source shipped here is compiled: nothing read from models or batches ever reaches the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lingctl.core.private_dir import ensure_private_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# -ffp-contract=fast: every a*b+c is one fused multiply-add, the same in vector and scalar code, so a
+# row's sums do not depend on how the compiler vectorised the loop that computed them.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-fPIC", "-shared", "-std=gnu11"]
+ENV_SWITCH = "LINGCTL_FLOOD_NATIVE"
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
+    ensure_private_dir(base, deny=0o022)  # shared with lingctl's other caches: others may read, not write
+    return ensure_private_dir(base / "native")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build() -> Path | None:
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found; flood uses torch's operators for experts and attention")
+        return None
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode(),
+                                     platform.machine().encode()])).hexdigest()[:20]
+    directory = _cache_dir()
+    target = directory / f"flood_kernels-{key}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(prefix=".flood_kernels-", suffix=".so.tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            log.info("building flood's kernels failed (%s); using torch's operators: %s", cc,
+                     result.stderr.strip().splitlines()[-1:] or "")
+            return None
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key wins or loses whole
+        return target
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("building flood's kernels failed (%s); using torch's operators", exc)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._moe = lib.flood_moe
+        self._moe.restype = None
+        self._moe.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+        self._attn = lib.flood_attention
+        self._attn.restype = None
+        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr]
+
+    @staticmethod
+    def moe_supported(hidden: int, width: int) -> bool:
+        """Widths the expert kernel computes with one code path per output column: every column block full
+        (32 floats). Otherwise a row's last columns could round differently alone and in a crowd."""
+        return hidden % 32 == 0 and (2 * width) % 32 == 0 and hidden > 0 and width > 0
+
+    def moe(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, gate_up_EDX: torch.Tensor,
+            down_EID: torch.Tensor) -> torch.Tensor:
+        """Routed experts' weighted sum [T, D] (float32, contiguous inputs; ids checked in range)."""
+        t, d = x_TD.shape
+        k = idx_TK.shape[1]
+        e, _, x2 = gate_up_EDX.shape
+        i = x2 // 2
+        assert x_TD.dtype == gate_up_EDX.dtype == down_EID.dtype == torch.float32
+        assert gate_up_EDX.is_contiguous() and down_EID.is_contiguous() and down_EID.shape == (e, i, d)
+        assert self.moe_supported(d, i)
+        x = x_TD.contiguous()
+        idx = idx_TK.to(torch.int64).contiguous()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e):
+            raise ValueError("expert id out of range")
+        w = weight_TK.to(torch.float32).contiguous()
+        n = t * k
+        scratch = torch.empty(n * d + (n + 8) * (d + 3 * i), dtype=torch.float32)
+        order = torch.empty(n, dtype=torch.int64)
+        y = torch.empty(t, d, dtype=torch.float32)
+        self._moe(x.data_ptr(), t, d, idx.data_ptr(), w.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(),
+                  e, i, y.data_ptr(), scratch.data_ptr(), order.data_ptr())
+        return y
+
+    def attention(self, q_THD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, units_U4: torch.Tensor,
+                  keys: torch.Tensor, scale: float, out_THD: torch.Tensor, max_keys: int) -> None:
+        """Fill the rows of ``out_THD`` that the units cover (see kernels.c for the unit layout)."""
+        t, h, dh = q_THD.shape
+        assert q_THD.dtype == k_pool.dtype == v_pool.dtype == out_THD.dtype == torch.float32
+        assert q_THD.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+        assert out_THD.is_contiguous() and units_U4.dtype == keys.dtype == torch.int64
+        scores = torch.empty(max(1, max_keys), dtype=torch.float32)
+        self._attn(q_THD.data_ptr(), h, dh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
+                   units_U4.data_ptr(), units_U4.shape[0], keys.data_ptr(), scale, out_THD.data_ptr(),
+                   scores.data_ptr())
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> Kernels | None:
+    """The loaded kernels, or None (no compiler, a failed build, or switched off by the environment)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        path = _build()
+        return Kernels(ctypes.CDLL(str(path))) if path is not None else None
+    except Exception as exc:  # any failure here only costs speed
+        log.info("flood's kernels are unavailable (%s); using torch's operators", exc)
+        return None

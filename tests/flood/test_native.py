@@ -1,0 +1,127 @@
+"""flood's native kernels: the function of torch's operators to rounding, a row's bits independent of the
+rest of the call, the engine's tokens unchanged, and torch's path when they are switched off."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingctl.flood import native
+from lingctl.flood.engine import Engine, EngineConfig, GenRequest
+from lingctl.flood.sampling import SamplingParams
+from tests.flood.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[native.Kernels]:
+    """Built into a private cache of this module's own, as a first use would."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LINGCTL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.delenv(native.ENV_SWITCH, raising=False)
+    native.kernels.cache_clear()
+    k = native.kernels()
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert k is not None, "a C compiler is present, so the kernels must build"
+    else:
+        assert k is None
+        pytest.skip("no C compiler on this machine: flood runs on torch's operators")
+    yield k
+    mp.undo()
+    native.kernels.cache_clear()
+
+
+def _moe_reference(x, idx, w, gate_up, down):
+    i = down.shape[1]
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(idx.shape[1]), key=lambda j: int(idx[t, j])):
+            e = int(idx[t, j])
+            h = x[t] @ gate_up[e]
+            y[t] += w[t, j] * ((F.silu(h[:i]) * h[i:]) @ down[e])
+    return y
+
+
+def test_routed_experts_match_torch_and_each_row_stands_alone(kernels):
+    g = torch.Generator().manual_seed(0)
+    e, d, i, k = 16, 64, 48, 3
+    gate_up = torch.randn(e, d, 2 * i, generator=g) * 0.1
+    down = torch.randn(e, i, d, generator=g) * 0.1
+    x = torch.randn(70, d, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(70)])
+    idx[:40, 0] = 5  # one expert with many rows (the blocked path), others with few
+    w = torch.rand(70, k, generator=g)
+    y = kernels.moe(x, idx, w, gate_up, down)
+    assert torch.allclose(y, _moe_reference(x, idx, w, gate_up, down), atol=1e-5)
+    for t in (0, 39, 69):
+        assert torch.equal(kernels.moe(x[t:t + 1], idx[t:t + 1], w[t:t + 1], gate_up, down)[0], y[t])
+    with pytest.raises(ValueError):
+        kernels.moe(x[:1], torch.tensor([[0, 1, e]]), w[:1], gate_up, down)
+    # widths whose last column block would be partial are left to torch's operators
+    assert not kernels.moe_supported(48, 40) and kernels.moe_supported(2048, 1408)
+
+
+def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dh = 4, 2, 32
+    k_pool = torch.randn(400, kv_heads, dh, generator=g)
+    v_pool = torch.randn(400, kv_heads, dh, generator=g)
+    q = torch.randn(20, heads, dh, generator=g)
+    # unit 0: 1 query over slots 10..59; unit 1: 16 queries (causal) over slots 200..229 then 100..149
+    keys0 = list(range(10, 60))
+    keys1 = list(range(200, 230)) + list(range(100, 150))
+    units = torch.tensor([[0, 1, 0, len(keys0)], [1, 16, len(keys0), len(keys1)]])
+    keys = torch.tensor(keys0 + keys1)
+    out = torch.zeros(20, heads, dh)
+    kernels.attention(q, k_pool, v_pool, units, keys, dh ** -0.5, out, len(keys1))
+
+    def sdpa(rows, slots, causal):
+        kk = k_pool[slots].transpose(0, 1)[None]
+        vv = v_pool[slots].transpose(0, 1)[None]
+        n = len(rows)
+        mask = torch.ones(n, len(slots), dtype=torch.bool).tril(len(slots) - n) if causal else None
+        return F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kk, vv, attn_mask=mask,
+                                              enable_gqa=True)[0].transpose(0, 1)
+
+    assert torch.allclose(out[0:1], sdpa([0], keys0, False), atol=1e-5)
+    assert torch.allclose(out[1:17], sdpa(list(range(1, 17)), keys1, True), atol=1e-5)
+    assert torch.equal(out[17:], torch.zeros(3, heads, dh))  # rows no unit covers are left alone
+    alone = torch.zeros(20, heads, dh)
+    kernels.attention(q, k_pool, v_pool, units[:1], keys, dh ** -0.5, alone, len(keys0))
+    assert torch.equal(alone[0], out[0])
+    assert math.isfinite(float(out.abs().sum()))
+
+
+def _tokens(model, prompts):
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=4096))
+    reqs = [GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+            for i, p in enumerate(prompts)]
+    return {r.key: r.token_ids for r in engine.generate(reqs)}
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(kernels, monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 1024, (int(n),), generator=g).tolist() for n in (3, 17, 40, 64, 5, 33)]
+    with_kernels = _tokens(tiny_model(), prompts)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels() is None
+        without = _tokens(tiny_model(), prompts)
+    finally:
+        monkeypatch.delenv(native.ENV_SWITCH)
+        native.kernels.cache_clear()
+    assert with_kernels == without
+
+
+def test_the_build_is_cached_in_a_private_directory(kernels, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGCTL_CACHE_DIR", str(tmp_path))
+    first = native._build()
+    assert first is not None and first.parent == tmp_path / "native"
+    assert (tmp_path / "native").stat().st_mode & 0o077 == 0
+    mtime = first.stat().st_mtime_ns
+    assert native._build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
