@@ -124,7 +124,7 @@ class StackedExperts:
     def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         native = kernels() if not self.quantized and x_TD.dtype == torch.float32 else None
         if native is not None and self.gate_up_EDX.dtype == torch.float32 and \
-                native.moe_supported(self.gate_up_EDX.shape[1], self.width):
+                native.moe_supported(self.gate_up_EDX.shape[1], self.width, idx_TK.shape[1]):
             # One call walks every expert in use; a row's result depends on that row alone, so float32 steps
             # (decode and prompt alike) all take this path and stay batch-invariant without padding.
             return native.moe(x_TD, idx_TK, weight_TK, self.gate_up_EDX, self.down_EID)

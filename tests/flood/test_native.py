@@ -125,3 +125,33 @@ def test_the_build_is_cached_in_a_private_directory(kernels, tmp_path, monkeypat
     assert (tmp_path / "native").stat().st_mode & 0o077 == 0
     mtime = first.stat().st_mtime_ns
     assert native._build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
+    """What lets the thread count follow the machine's load during a run (flood/threads.py)."""
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    class Recording(Engine):
+        def _on_sample(self, sched, seq, logits_V, done, **kwargs):
+            seen.setdefault(seq.key.key, []).append(logits_V.clone())
+            super()._on_sample(sched, seq, logits_V, done, **kwargs)
+
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 1024, (int(n),), generator=g).tolist() for n in (7, 21, 50, 3, 64, 12, 30)]
+    model = tiny_model()
+
+    def logits(threads: int) -> dict[int, list[torch.Tensor]]:
+        seen.clear()
+        torch.set_num_threads(threads)
+        engine = Engine.local(model, EngineConfig(kv_cache_tokens=4096))
+        engine.__class__ = Recording
+        list(engine.generate([GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=6, temperature=0.0))
+                              for i, p in enumerate(prompts)]))
+        return {k: list(v) for k, v in seen.items()}
+
+    try:
+        one, two = logits(1), logits(2)
+    finally:
+        torch.set_num_threads(1)
+    assert one.keys() == two.keys() and len(one) == len(prompts)
+    assert all(torch.equal(a, b) for k in one for a, b in zip(one[k], two[k]))

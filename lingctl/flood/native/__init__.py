@@ -25,6 +25,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -98,20 +100,47 @@ def _build() -> Path | None:
             os.unlink(tmp)
 
 
+MAX_TOP_K = 64  # the combine step sorts a token's slots in a fixed-size buffer
+
+
 class Kernels:
+    """The loaded library. A call spreads its work over ``torch.get_num_threads()`` threads (the count the
+    thread policy chose): experts or units are split into contiguous ranges, each computed by one thread
+    with the same code, so the results are the same bits at any thread count."""
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._moe = lib.flood_moe
-        self._moe.restype = None
-        self._moe.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+        self._experts = lib.flood_moe_experts
+        self._experts.restype = None
+        self._experts.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+        self._combine = lib.flood_moe_combine
+        self._combine.restype = None
+        self._combine.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
         self._attn = lib.flood_attention
         self._attn.restype = None
         self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr]
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    def _run(self, calls: list[Callable[[], None]]) -> None:
+        """Run the calls, one per thread (ctypes releases the GIL during each)."""
+        if len(calls) == 1:
+            calls[0]()
+            return
+        if self._pool is None or self._pool_size < len(calls) - 1:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="flood-kernel")
+            self._pool_size = len(calls) - 1
+        futures = [self._pool.submit(c) for c in calls[1:]]
+        calls[0]()
+        for f in futures:
+            f.result()
 
     @staticmethod
-    def moe_supported(hidden: int, width: int) -> bool:
+    def moe_supported(hidden: int, width: int, top_k: int = 1) -> bool:
         """Widths the expert kernel computes with one code path per output column: every column block full
         (32 floats). Otherwise a row's last columns could round differently alone and in a crowd."""
-        return hidden % 32 == 0 and (2 * width) % 32 == 0 and hidden > 0 and width > 0
+        return hidden % 32 == 0 and (2 * width) % 32 == 0 and hidden > 0 and width > 0 and top_k <= MAX_TOP_K
 
     def moe(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, gate_up_EDX: torch.Tensor,
             down_EID: torch.Tensor) -> torch.Tensor:
@@ -122,18 +151,28 @@ class Kernels:
         i = x2 // 2
         assert x_TD.dtype == gate_up_EDX.dtype == down_EID.dtype == torch.float32
         assert gate_up_EDX.is_contiguous() and down_EID.is_contiguous() and down_EID.shape == (e, i, d)
-        assert self.moe_supported(d, i)
+        assert self.moe_supported(d, i, k)
         x = x_TD.contiguous()
         idx = idx_TK.to(torch.int64).contiguous()
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e):
             raise ValueError("expert id out of range")
         w = weight_TK.to(torch.float32).contiguous()
         n = t * k
-        scratch = torch.empty(n * d + (n + 8) * (d + 3 * i), dtype=torch.float32)
-        order = torch.empty(n, dtype=torch.int64)
+        outs = torch.empty(n, d, dtype=torch.float32)
         y = torch.empty(t, d, dtype=torch.float32)
-        self._moe(x.data_ptr(), t, d, idx.data_ptr(), w.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(),
-                  e, i, y.data_ptr(), scratch.data_ptr(), order.data_ptr())
+        ranges = _split(torch.bincount(idx.view(-1), minlength=e).cumsum(0).tolist(), torch.get_num_threads())
+
+        def experts(e0: int, e1: int) -> Callable[[], None]:
+            scratch = torch.empty((n + 8) * (d + 3 * i), dtype=torch.float32)
+            slot = torch.empty(max(1, n), dtype=torch.int64)
+            return lambda: self._experts(x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(),
+                                         down_EID.data_ptr(), e, i, e0, e1, outs.data_ptr(), scratch.data_ptr(),
+                                         slot.data_ptr())
+
+        self._run([experts(a, b) for a, b in ranges])
+        rows = _split(list(range(1, t + 1)), len(ranges))
+        self._run([functools.partial(self._combine, idx.data_ptr(), w.data_ptr(), k, d, outs.data_ptr(),
+                                     y.data_ptr(), a, b) for a, b in rows])
         return y
 
     def attention(self, q_THD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, units_U4: torch.Tensor,
@@ -143,10 +182,36 @@ class Kernels:
         assert q_THD.dtype == k_pool.dtype == v_pool.dtype == out_THD.dtype == torch.float32
         assert q_THD.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
         assert out_THD.is_contiguous() and units_U4.dtype == keys.dtype == torch.int64
-        scores = torch.empty(max(1, max_keys), dtype=torch.float32)
-        self._attn(q_THD.data_ptr(), h, dh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
-                   units_U4.data_ptr(), units_U4.shape[0], keys.data_ptr(), scale, out_THD.data_ptr(),
-                   scores.data_ptr())
+        units = units_U4.contiguous()
+        # work of a unit ~ queries x keys
+        work = (units[:, 1] * units[:, 3]).cumsum(0).tolist() if units.shape[0] else []
+
+        def part(a: int, b: int) -> Callable[[], None]:
+            scores = torch.empty(max(1, max_keys), dtype=torch.float32)
+            return lambda: self._attn(q_THD.data_ptr(), h, dh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
+                                      units[a:].data_ptr(), b - a, keys.data_ptr(), scale, out_THD.data_ptr(),
+                                      scores.data_ptr())
+
+        self._run([part(a, b) for a, b in _split(work, torch.get_num_threads())] or [lambda: None])
+
+
+def _split(cumulative: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous index ranges over ``len(cumulative)`` items with about equal shares of the total, given the
+    running totals; at most ``parts`` ranges, none empty of items (an item's work may be zero)."""
+    n = len(cumulative)
+    if n == 0:
+        return []
+    parts = max(1, min(parts, n))
+    total = cumulative[-1]
+    bounds = [0]
+    for p in range(1, parts):
+        target = total * p / parts
+        cut = bounds[-1] + 1
+        while cut < n - (parts - p) and cumulative[cut - 1] < target:
+            cut += 1
+        bounds.append(cut)
+    bounds.append(n)
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 @functools.lru_cache(maxsize=1)

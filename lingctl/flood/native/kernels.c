@@ -69,49 +69,41 @@ static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, in
     }
 }
 
-/* Routed experts of one layer.
-   x [T, D]; idx, wt [T, Kt] (expert ids, routing weights); gate_up [E, D, 2I]; down [E, I, D];
-   y [T, D] (written). scratch: at least (N + 8) * (2D + 3I) floats with N = T*Kt; order: N int64s.
-   Each token's Kt expert outputs are summed weighted, in ascending expert id. */
-void flood_moe(const float *x, int64_t T, int64_t D, const int64_t *idx, const float *wt, int64_t Kt,
-               const float *gate_up, const float *down, int64_t E, int64_t I, float *y, float *scratch,
-               int64_t *order) {
+/* Routed experts of one layer, the experts [e0, e1) of it (callers split the experts between threads).
+   x [T, D]; idx [T, Kt] expert ids (checked by the caller); gate_up [E, D, 2I]; down [E, I, D];
+   outs [T*Kt, D]: row n is written with the output of routed slot n when its expert is in [e0, e1).
+   scratch: at least (N + MB) * (D + 3I) floats and N int64s (slot) after them, N = T*Kt. */
+void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
+                       const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                       float *scratch, int64_t *slot) {
     int64_t N = T * Kt;
-    float *outs = scratch;            /* [N, D]: the output of routed slot n */
-    float *rows = outs + N * D;       /* [N + MB, D]: gathered inputs of one expert, zero-padded */
-    float *h = rows + (N + MB) * D;   /* [N + MB, 2I] */
-    float *act = h + (N + MB) * 2 * I; /* [N + MB, I] */
-    int64_t *slot = order;            /* [N]: routed slots sorted by expert (stable) */
-    int64_t *count = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
-    if (!count) return;
-    for (int64_t n = 0; n < N; n++) {
-        int64_t e = idx[n];
-        if (e < 0 || e >= E) e = 0; /* the caller validated ids; never read out of bounds */
-        count[e + 1]++;
-    }
-    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
-    {
-        int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
-        if (!pos) { free(count); return; }
-        memcpy(pos, count, sizeof(int64_t) * (size_t)E);
-        for (int64_t n = 0; n < N; n++) {
-            int64_t e = idx[n];
-            if (e < 0 || e >= E) e = 0;
-            slot[pos[e]++] = n;
-        }
-        free(pos);
-    }
-    for (int64_t e = 0; e < E; e++) {
+    float *rows = scratch;              /* [N + MB, D]: gathered inputs of one expert, zero-padded */
+    float *h = rows + (N + MB) * D;     /* [N + MB, 2I] */
+    float *act = h + (N + MB) * 2 * I;  /* [N + MB, I] */
+    int64_t span = e1 - e0;
+    if (span <= 0) return;
+    int64_t *count = (int64_t *)calloc((size_t)span + 1, sizeof(int64_t));
+    int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)span);
+    if (!count || !pos) { free(count); free(pos); return; }
+    for (int64_t n = 0; n < N; n++)
+        if (idx[n] >= e0 && idx[n] < e1) count[idx[n] - e0 + 1]++;
+    for (int64_t e = 0; e < span; e++) count[e + 1] += count[e];
+    memcpy(pos, count, sizeof(int64_t) * (size_t)span);
+    for (int64_t n = 0; n < N; n++)
+        if (idx[n] >= e0 && idx[n] < e1) slot[pos[idx[n] - e0]++] = n;
+    free(pos);
+    for (int64_t e = 0; e < span; e++) {
         int64_t a = count[e], b = count[e + 1], m = b - a;
         if (!m) continue;
+        const float *gu = gate_up + (e0 + e) * D * 2 * I, *dn = down + (e0 + e) * I * D;
         int64_t mp = (m + MB - 1) / MB * MB; /* zero rows up to a whole register block */
         for (int64_t r = 0; r < m; r++)
             memcpy(rows + r * D, x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
         memset(rows + m * D, 0, sizeof(float) * (size_t)((mp - m) * D));
         if (m <= MB)
-            few_rows_gemm(rows, m, D, gate_up + e * D * 2 * I, 2 * I, h);
+            few_rows_gemm(rows, m, D, gu, 2 * I, h);
         else
-            small_gemm(rows, m, D, gate_up + e * D * 2 * I, 2 * I, h);
+            small_gemm(rows, m, D, gu, 2 * I, h);
         for (int64_t r = 0; r < mp; r++) {
             const float *g = h + r * 2 * I, *u = g + I;
             float *o = act + r * I;
@@ -119,21 +111,25 @@ void flood_moe(const float *x, int64_t T, int64_t D, const int64_t *idx, const f
                 o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
         if (m <= MB)
-            few_rows_gemm(act, m, I, down + e * I * D, D, rows);
+            few_rows_gemm(act, m, I, dn, D, rows);
         else
-            small_gemm(act, m, I, down + e * I * D, D, rows);
+            small_gemm(act, m, I, dn, D, rows);
         for (int64_t r = 0; r < m; r++)
             memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
     }
     free(count);
-    for (int64_t t = 0; t < T; t++) {
+}
+
+/* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1). */
+void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t D, const float *outs, float *y,
+                       int64_t t0, int64_t t1) {
+    int64_t ks[64];
+    int64_t kn = Kt < 64 ? Kt : 64;
+    for (int64_t t = t0; t < t1; t++) {
         float *yt = y + t * D;
         memset(yt, 0, sizeof(float) * (size_t)D);
-        /* ascending expert id: a token's Kt experts are distinct, so sort its slots by id */
-        int64_t ks[64];
-        int64_t kn = Kt < 64 ? Kt : 64;
         for (int64_t k = 0; k < kn; k++) ks[k] = k;
-        for (int64_t k = 1; k < kn; k++) {
+        for (int64_t k = 1; k < kn; k++) { /* insertion sort of the token's slots by expert id */
             int64_t v = ks[k], j = k;
             while (j > 0 && idx[t * Kt + ks[j - 1]] > idx[t * Kt + v]) { ks[j] = ks[j - 1]; j--; }
             ks[j] = v;
@@ -148,15 +144,16 @@ void flood_moe(const float *x, int64_t T, int64_t D, const int64_t *idx, const f
 }
 
 /* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
-   then summed lane by lane, then the tail. */
+   then summed pairwise, then the tail. */
 #define LANES 16
 static inline float dot(const float *a, const float *b, int64_t n) {
     float part[LANES] = {0};
     int64_t d = 0;
     for (; d + LANES <= n; d += LANES)
         for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += part[l];
+    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise, always the same pairs */
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    float s = part[0];
     for (; d < n; d++) s += a[d] * b[d];
     return s;
 }
