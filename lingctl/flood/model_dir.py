@@ -8,7 +8,6 @@ Reads lingctl checkpoints and Ling checkpoints in the Hugging Face layout (``con
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -19,10 +18,11 @@ from typing import Any
 import torch
 
 from lingctl.core.errors import LingctlError, NotFoundError
-from lingctl.model.checkpoint import CONFIG, GENERATION_CONFIG, TOKENIZER, load_config, model_state, weight_files
+from lingctl.flood.loader import LoadStats, load_streaming
+from lingctl.model.checkpoint import CONFIG, GENERATION_CONFIG, TOKENIZER, load_config, weight_files
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
-from lingctl.model.safetensors_io import load_safetensors, read_header
+from lingctl.model.safetensors_io import read_entries
 
 log = logging.getLogger(__name__)
 
@@ -102,66 +102,23 @@ class ModelDir:
 
     # -- weights ----------------------------------------------------------------------------------
     def check_weights(self) -> None:
-        """Fail early, with the names, when the weight files do not hold what config.json describes."""
+        """Fail early, with the names, when the weight files are unreadable or inconsistent (headers only:
+        dtypes, shapes and offsets inside each file)."""
         files = weight_files(self.path)
-        for file in set(files.values()):
-            read_header(file)
+        for file in sorted(set(files.values())):
+            read_entries(file)
 
     def load(self, *, dtype: torch.dtype, quantize: str | None = None,
              layers: tuple[int, int] | None = None) -> LingForCausalLM:
-        """The model, or with ``layers=(first, last)`` only what that pipeline stage needs (the other layers
-        stay on the meta device and cost nothing). Weights are mmap'd; a dtype change or quantization
-        copies one tensor at a time."""
-        config = self.config
-        n = config.num_hidden_layers
-        first, last = layers if layers is not None else (0, n)
-        with torch.device("meta"):
-            # a copy: baking NormHead below switches norm_head off on the model's own config
-            model = LingForCausalLM(dataclasses.replace(config))
+        """The model, or with ``layers=(first, last)`` only what that pipeline stage needs."""
+        return self.load_with_stats(dtype=dtype, quantize=quantize, layers=layers)[0]
 
-        def wanted(name: str) -> bool:
-            if name.startswith("model.layers."):
-                return first <= int(name.split(".")[2]) < last
-            if name.startswith("model.word_embeddings."):
-                return first == 0 or (last == n and config.tie_word_embeddings)
-            return last == n  # model.norm, lm_head
-
-        files = weight_files(self.path)
-        names = [k for k in model_state(model) if wanted(k)]
-        missing = [k for k in names if k not in files]
-        if missing:
-            raise LingctlError(f"{self.path}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
-                               f"e.g. {', '.join(missing[:3])}")
-        params = dict(model.named_parameters())
-        by_file: dict[Path, list[str]] = {}
-        for k in names:
-            by_file.setdefault(files[k], []).append(k)
-        state: dict[str, torch.Tensor] = {}
-        for file, keys in sorted(by_file.items()):
-            for k, t in load_safetensors(file, keys).items():
-                if tuple(t.shape) != tuple(params[k].shape):
-                    raise LingctlError(f"{file}: tensor {k} has shape {tuple(t.shape)}, config.json implies "
-                                       f"{tuple(params[k].shape)}")
-                if quantize is None and t.dtype != dtype:
-                    t = t.to(dtype)
-                state[k] = t
-        if config.tie_word_embeddings and "model.word_embeddings.weight" in state:
-            state["lm_head.weight"] = state["model.word_embeddings.weight"]
-        model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.word_embeddings.weight
-        model.eval()
-        if last == n:
-            model.normalize_head_()  # bake NormHead once instead of per step (what Ling's code does in eval)
-        if quantize == "int8":
-            from lingctl.flood.quantize import quantize_model_
-
-            report = quantize_model_(model, dtype)
-            log.info("int8: %d linear layers, %.2f GB -> %.2f GB", report.layers, report.bytes_before / 1e9,
-                     report.bytes_after / 1e9)
-            for p in model.parameters():
-                if p.device.type != "meta" and p.is_floating_point() and p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-        elif quantize is not None:
-            raise LingctlError(f"unknown quantization {quantize!r}; supported: int8")
-        return model
+    def load_with_stats(self, *, dtype: torch.dtype, quantize: str | None = None,
+                        layers: tuple[int, int] | None = None) -> tuple[LingForCausalLM, LoadStats]:
+        """``load`` and what it read: the weights are streamed from the files into their final form (int8
+        rows and scales, or the serving dtype), each file read once (see ``lingctl.flood.loader``)."""
+        model, stats = load_streaming(self.path, self.config, weight_files(self.path), dtype=dtype,
+                                      quantize=quantize, layers=layers)
+        log.info("loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s", stats.tensors,
+                 stats.bytes_read / 1e9, stats.files, stats.seconds)
+        return model, stats

@@ -25,6 +25,21 @@ from lingctl.model.config import LingConfig
 QMAX = 127  # symmetric: -128 is never used, so negating a row never overflows
 
 
+def quantize_rows(w_OI: torch.Tensor, dtype: torch.dtype, out_OI: torch.Tensor) -> torch.Tensor:
+    """Quantize the rows ``w_OI`` (any float dtype) into ``out_OI`` (float32, same shape): integral values
+    in [-QMAX, QMAX]; return the scales in ``dtype``. Each row is treated alone, so any split of a matrix into
+    row chunks gives the same bits; every quantizer of the package (``Int8Linear.from_linear``, the streaming
+    loader) goes through here. The absmax is taken on ``w_OI`` as it is (a max is exact in any dtype) and the
+    division reads it widened to float32 on the fly, so a 16-bit source is never copied to float32 first."""
+    amax = torch.maximum(torch.amax(w_OI, dim=1), -torch.amin(w_OI, dim=1)).to(torch.float32)
+    # Round the scale to its stored dtype first and quantize against that, so the rounding of a bf16 scale
+    # cannot add to the error: |w - q*scale| <= scale/2 per element.
+    scale = (amax / QMAX).to(dtype)
+    scale = scale.masked_fill(scale == 0, 1.0)  # all-zero row (or an underflowed scale): q = 0
+    torch.div(w_OI, scale.to(torch.float32)[:, None], out=out_OI).round_().clamp_(-QMAX, QMAX)  # half to even
+    return scale
+
+
 class Int8Linear(nn.Module):
     """Symmetric per-output-channel int8 weights: w ≈ q * scale[:, None], q int8 in [-127, 127].
 
@@ -59,16 +74,8 @@ class Int8Linear(nn.Module):
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, device=w_OI.device)
         for r0 in range(0, linear.out_features, rows_per_chunk):
             r1 = min(r0 + rows_per_chunk, linear.out_features)
-            # copy=True: a float32 source would otherwise be aliased and the in-place ops below would
-            # overwrite the caller's weights.
-            chunk = w_OI[r0:r1].to(torch.float32, copy=True)
-            lo, hi = torch.aminmax(chunk, dim=1)  # no |chunk| temporary
-            amax = torch.maximum(hi, -lo)
-            # Round the scale to its stored dtype first and quantize against that, so the rounding of a
-            # bf16 scale cannot add to the error: |w - q*scale| <= scale/2 per element.
-            scale = (amax / QMAX).to(dtype)
-            scale = scale.masked_fill(scale == 0, 1.0)  # all-zero row (or an underflowed scale): q = 0
-            chunk.div_(scale.to(torch.float32)[:, None]).round_().clamp_(-QMAX, QMAX)
+            chunk = torch.empty(r1 - r0, linear.in_features, dtype=torch.float32, device=w_OI.device)
+            scale = quantize_rows(w_OI[r0:r1], dtype, chunk)
             out.weight_q[r0:r1] = chunk.to(torch.int8)
             out.scale[r0:r1] = scale
         if linear.bias is not None:
@@ -126,7 +133,7 @@ def model_bytes(model: nn.Module) -> int:
     return total
 
 
-def _eligible_linears(model: nn.Module, include_head: bool) -> list[str]:
+def eligible_linears(model: nn.Module, include_head: bool) -> list[str]:
     head = getattr(model, "lm_head", None)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     names = []
@@ -154,7 +161,7 @@ def quantize_model_(model: nn.Module, dtype: torch.dtype, *, include_head: bool 
     inference), since ``head_weight`` would otherwise renormalise the dequantised matrix on every call.
     """
     bytes_before = model_bytes(model)
-    names = _eligible_linears(model, include_head)
+    names = eligible_linears(model, include_head)
     if include_head and "lm_head" in names and hasattr(model, "normalize_head_"):
         model.normalize_head_()
     layers = params = 0
