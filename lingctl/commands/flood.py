@@ -46,7 +46,10 @@ def run(
     chat_template: Annotated[Path | None, typer.Option(
         "--chat-template", help="Jinja chat template file, overriding the model's; rendered in a sandbox with "
                                 "per-request time, size and memory limits.")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: torch's).")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", help="CPU compute threads. Default (or 0): the cores other processes leave free, "
+                          "re-measured every few seconds; one thread where results would depend on the count "
+                          "(float32 with int8 weights, or without a C compiler for flood's kernels).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Read the config only; print the memory plan.")] = False,
     json: JsonOpt = False,
 ) -> None:
@@ -92,6 +95,10 @@ def _summary(s: FloodSummary, console: Any) -> None:
                       f"= {format_size(p.kv_bytes)} ({format_size(p.kv_bytes_per_token)}/token); activations "
                       f"{format_size(p.activation_bytes)}; {format_size(p.available_bytes)} available",
                       markup=False)
+        console.print(f"memory plan: peak {format_size(p.total_bytes)} = runtime {format_size(p.runtime_bytes)} + "
+                      f"weights {format_size(p.weights_bytes)} + the larger of load buffers "
+                      f"{format_size(p.loader_bytes)} and packed copies {format_size(p.engine_bytes)} + activations "
+                      f"+ KV {format_size(p.activation_bytes + p.kv_bytes)}", markup=False)
     if s.dry_run:
         console.print(f"plan: {s.requests} requests ({s.invalid_lines} invalid lines, {s.already_done} already "
                       f"answered), {s.prompt_tokens:,} prompt tokens, up to {s.estimated_generated_tokens:,} "
@@ -102,6 +109,15 @@ def _summary(s: FloodSummary, console: Any) -> None:
                   f"{s.generated_tokens:,} tokens in {s.seconds:.1f} s = {s.generated_tokens_per_s:,.0f} tok/s; "
                   f"prefix sharing saved {s.prefix_tokens_saved:,} prefill tokens; peak KV "
                   f"{s.kv_peak_tokens:,}/{s.kv_cache_tokens:,} tokens; {s.preemptions} preemptions", markup=False)
+    if s.load_seconds:
+        console.print(f"load: {format_size(s.load_bytes_read)} read in {s.load_seconds:.1f} s; peak memory "
+                      f"{format_size(s.peak_rss_bytes)} against a plan of {format_size(s.plan_total_bytes)} "
+                      f"({s.peak_rss_bytes / max(1, s.plan_total_bytes):.0%})", markup=False)
+    if s.threads:
+        t = s.threads
+        changes = f", {len(t['changes'])} changes, ending at {t['final_threads']}" if t.get("changes") else ""
+        stage = f", {t['threads_per_stage']} per stage" if t.get("threads_per_stage") else ""
+        console.print(f"threads: {t['threads']} ({t['source']}{changes}){stage}", markup=False)
     console.print(f"output: {s.out}\nerrors: {s.errors}", markup=False)
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import resource
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,11 +39,12 @@ from lingctl.flood.engine import (
     error_text,
 )
 from lingctl.flood.model_dir import ModelDir
-from lingctl.flood.plan import MemoryPlan, plan_memory
+from lingctl.flood.plan import MemoryPlan, check_weights_fit, plan_memory
 from lingctl.flood.prefix import plan_prefixes
 from lingctl.flood.requests import Request, read_batch
 from lingctl.flood.segment_cache import KVPool
 from lingctl.flood.text import PromptError, TextCodec
+from lingctl.flood.threads import ThreadPolicy, stage_threads
 from lingctl.model.checkpoint import parse_dtype
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ class FloodOptions:
     def validate(self) -> None:
         if self.stages < 1:
             raise UsageError(f"--stages must be >= 1, got {self.stages}")
+        if self.threads is not None and self.threads < 0:
+            raise UsageError(f"--threads must be >= 0 (0: chosen from the free cores), got {self.threads}")
         if self.max_batch_tokens < self.chunk:
             raise UsageError(f"--max-batch-tokens must be at least {self.chunk}, got {self.max_batch_tokens}")
         if self.max_seqs < 1:
@@ -106,9 +111,14 @@ class FloodSummary:
     kv_peak_tokens: int = 0
     dry_run: bool = False
     plan: MemoryPlan | None = None
+    plan_total_bytes: int = 0  # what the plan says the process will hold at its peak
+    peak_rss_bytes: int = 0  # what it held at its peak (this process; pipeline stages are other processes)
+    load_seconds: float = 0.0
+    load_bytes_read: int = 0
     estimated_generated_tokens: int = 0
     interrupted: bool = False
     engine: dict[str, Any] = field(default_factory=dict)
+    threads: dict[str, Any] = field(default_factory=dict)  # compute threads: count, how chosen, changes
 
 
 @dataclass(slots=True)
@@ -164,6 +174,7 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
     dtype = parse_dtype(opts.dtype)
     batch = read_batch(opts.batch)
     md = ModelDir.open(opts.model)
+    check_weights_fit(md.config, dtype=dtype, quantize=opts.quantize)  # before the fingerprint reads a byte
     if not opts.dry_run:
         md.check_weights()
     template = _read_template(opts.chat_template) if opts.chat_template is not None else md.chat_template()
@@ -193,6 +204,7 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
             codec.close()  # the template worker is not needed past here
         plan = _plan(opts, md, jobs, dtype)
         summary.plan = plan
+        summary.plan_total_bytes = plan.total_bytes
         summary.kv_cache_tokens = plan.kv_tokens
         summary.estimated_generated_tokens = sum(_max_new(md, j) for j in jobs)
         if opts.dry_run:
@@ -202,7 +214,10 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
             summary.prompt_tokens = sum(len(j.ids) for j in jobs)
             return summary
         assert output is not None
-        _generate(opts, md, codec, jobs, plan, dtype, output, summary, on_progress, should_stop)
+        try:
+            _generate(opts, md, codec, jobs, plan, dtype, output, summary, on_progress, should_stop)
+        finally:
+            summary.peak_rss_bytes = peak_rss_bytes()
         return summary
     finally:
         if output is not None:
@@ -233,6 +248,12 @@ def _prompts(codec: TextCodec, requests: list[Request], output: BatchOutput | No
     return jobs
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def _max_new(md: ModelDir, job: _Job) -> int:
     room = md.config.max_position_embeddings - len(job.ids)
     want = job.req.sampling.max_tokens
@@ -243,8 +264,10 @@ def _plan(opts: FloodOptions, md: ModelDir, jobs: list[_Job], dtype: torch.dtype
     sizes = [len(j.ids) + _max_new(md, j) for j in jobs]
     largest = max((len(j.ids) + 1 for j in jobs if len(j.ids) < md.config.max_position_embeddings), default=1)
     saved = plan_prefixes([j.ids for j in jobs], opts.chunk).tokens_saved if opts.prefix_sharing and jobs else 0
+    # A step never holds more than the batch has: every prompt token plus one decode token per request.
+    step_tokens = min(opts.max_batch_tokens, sum(len(j.ids) for j in jobs) + len(jobs))
     return plan_memory(md.config, dtype=dtype, quantize=opts.quantize, kv_cache_tokens=opts.kv_cache_tokens,
-                       max_batch_tokens=opts.max_batch_tokens, max_seqs=opts.max_seqs,
+                       max_batch_tokens=step_tokens, max_seqs=min(opts.max_seqs, max(1, len(jobs))),
                        batch_kv_tokens=max(1, sum(sizes) - saved), largest_request_tokens=largest)
 
 
@@ -254,18 +277,34 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
               should_stop: Callable[[], bool] | None) -> None:
     if not jobs:
         return
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    previous_threads = torch.get_num_threads()
+    try:
+        _generate_with_threads(opts, md, codec, jobs, plan, dtype, output, summary, on_progress, should_stop)
+    finally:
+        torch.set_num_threads(previous_threads)  # a library call leaves the process as it found it
+
+
+def _generate_with_threads(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Job], plan: MemoryPlan,
+                           dtype: torch.dtype, output: BatchOutput, summary: FloodSummary,
+                           on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+                           should_stop: Callable[[], bool] | None) -> None:
+    # --threads N fixes the count; otherwise it is the cores other processes leave free (flood/threads.py).
+    # With stages, the stage processes compute; this one only schedules and samples, on one thread.
+    policy = ThreadPolicy.for_run(opts.threads if opts.stages == 1 else 1, opts.dtype, opts.quantize)
+    policy.prepare()
     config = EngineConfig(kv_cache_tokens=plan.kv_tokens, max_batch_tokens=opts.max_batch_tokens,
                           max_seqs=opts.max_seqs, chunk=opts.chunk, prefix_sharing=opts.prefix_sharing,
                           stages=opts.stages)
+    stage_n = 0
     if opts.stages > 1:
         from lingctl.flood.pipeline import PipelineRunner
 
+        stage_n = opts.threads or stage_threads(opts.stages, opts.dtype, opts.quantize)
         runner: Any = PipelineRunner(md.path, stages=opts.stages, dtype=dtype, quantize=opts.quantize,
-                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=opts.threads)
+                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=stage_n)
     else:
-        model = md.load(dtype=dtype, quantize=opts.quantize)
+        model, load = md.load_with_stats(dtype=dtype, quantize=opts.quantize)
+        summary.load_seconds, summary.load_bytes_read = load.seconds, load.bytes_read
         c = md.config
         runner = LocalRunner(model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads,
                                            c.head_dim, dtype))
@@ -275,9 +314,18 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
     requests = [GenRequest(key=id(j), prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id)
                 for j in jobs]
     model_name = md.path.name
+    policy.start()
+    summary.threads = dataclasses.asdict(policy.report) if policy.report is not None else {}
+    if stage_n:
+        summary.threads["threads_per_stage"] = stage_n
+
+    def on_step(stats: EngineStats) -> None:
+        policy.between_steps()  # between steps: results never see a count change mid-step
+        _progress(stats, summary, on_progress, should_stop)
+
     started = time.monotonic()
     try:
-        for res in engine.generate(requests, on_step=lambda s: _progress(s, summary, on_progress, should_stop)):
+        for res in engine.generate(requests, on_step=on_step):
             job = by_key[res.key]
             body: dict[str, Any] | None = None
             if res.error is None:
@@ -302,6 +350,8 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
     finally:
         engine.close()
         _fill(summary, engine.stats, time.monotonic() - started)
+        if policy.report is not None:
+            summary.threads = {**summary.threads, **dataclasses.asdict(policy.report)}
     if summary.interrupted:
         output.close()
         raise Interrupted(f"interrupted after {summary.succeeded + summary.failed} answers; every answer written "
