@@ -83,6 +83,17 @@ def lingctl():
     return run_lingctl
 
 
+@pytest.fixture
+def competitor() -> Iterator[subprocess.Popen]:
+    """Another process keeping one core busy, as on a shared machine."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def text_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real corpus (~300 KB of standard-library source in a few files): tokenizer training and

@@ -1,9 +1,7 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,16 +51,6 @@ def test_the_budget_is_the_affinity_mask() -> None:
     budget = read_budget()
     assert set(budget.cpus) == set(cpu_load.os.sched_getaffinity(0))
     assert 0 < budget.usable_cores <= len(budget.cpus)
-
-
-@pytest.fixture
-def competitor() -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @needs_proc

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,16 +139,6 @@ def test_threads_zero_means_choose() -> None:
     assert ThreadPolicy.for_run(0, "float32", "int8").fixed == 1
     # float32 follows the load exactly when the native kernels make its results thread-free
     assert (ThreadPolicy.for_run(0, "float32").fixed is None) == results_follow_load_safely("float32")
-
-
-@pytest.fixture
-def competitor() -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @needs_proc
