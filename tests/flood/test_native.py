@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,14 @@ def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
         torch.set_num_threads(1)
     assert one.keys() == two.keys() and len(one) == len(prompts)
     assert all(torch.equal(a, b) for k in one for a, b in zip(one[k], two[k]))
+
+
+def test_the_kernels_share_torchs_openmp_runtime(kernels):
+    """Two OpenMP runtimes in one process would each keep threads spinning on the same cores."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc on this platform")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
+    if kernels.openmp:
+        assert runtimes

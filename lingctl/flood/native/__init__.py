@@ -65,6 +65,15 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _openmp_flags() -> list[str]:
+    """``-fopenmp`` when torch itself runs on libgomp: the kernels' library then names the same
+    ``libgomp.so.1``, which the loader finds already loaded by torch, so both share one OpenMP runtime and
+    one thread pool (two runtimes would each keep spinning threads on the same cores)."""
+    lib = Path(torch.__file__).parent / "lib"
+    return ["-fopenmp"] if (lib / "libgomp.so.1").exists() or "GNU OpenMP" in torch.__config__.parallel_info() \
+        else []
+
+
 def _build() -> Path | None:
     cc = _compiler()
     if cc is None:
@@ -75,7 +84,8 @@ def _build() -> Path | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode(),
+    flags = FLAGS + _openmp_flags()
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode(),
                                      platform.machine().encode()])).hexdigest()[:20]
     directory = _cache_dir()
     target = directory / f"flood_kernels-{key}.so"
@@ -84,7 +94,7 @@ def _build() -> Path | None:
     fd, tmp = tempfile.mkstemp(prefix=".flood_kernels-", suffix=".so.tmp", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             log.info("building flood's kernels failed (%s); using torch's operators: %s", cc,
@@ -105,8 +115,9 @@ MAX_TOP_K = 64  # the combine step sorts a token's slots in a fixed-size buffer
 
 class Kernels:
     """The loaded library. A call spreads its work over ``torch.get_num_threads()`` threads (the count the
-    thread policy chose): experts or units are split into contiguous ranges, each computed by one thread
-    with the same code, so the results are the same bits at any thread count."""
+    thread policy chose): through OpenMP inside the library when it was built with it, else split here into
+    contiguous ranges run on a small thread pool. Either way each expert or unit is computed whole by one
+    thread with the same code, so the results are the same bits at any thread count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._experts = lib.flood_moe_experts
@@ -117,7 +128,10 @@ class Kernels:
         self._combine.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
         self._attn = lib.flood_attention
         self._attn.restype = None
-        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr]
+        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr,
+                               _i64]
+        # With OpenMP the library spreads each call over torch's threads itself.
+        self.openmp = bool(lib.flood_openmp())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -160,7 +174,8 @@ class Kernels:
         n = t * k
         outs = torch.empty(n, d, dtype=torch.float32)
         y = torch.empty(t, d, dtype=torch.float32)
-        ranges = _split(torch.bincount(idx.view(-1), minlength=e).cumsum(0).tolist(), torch.get_num_threads())
+        ranges = ([(0, e)] if self.openmp else
+                  _split(torch.bincount(idx.view(-1), minlength=e).cumsum(0).tolist(), torch.get_num_threads()))
 
         def experts(e0: int, e1: int) -> Callable[[], None]:
             scratch = torch.empty((n + 8) * (d + 3 * i), dtype=torch.float32)
@@ -170,7 +185,7 @@ class Kernels:
                                          slot.data_ptr())
 
         self._run([experts(a, b) for a, b in ranges])
-        rows = _split(list(range(1, t + 1)), len(ranges))
+        rows = [(0, t)] if self.openmp else _split(list(range(1, t + 1)), len(ranges))
         self._run([functools.partial(self._combine, idx.data_ptr(), w.data_ptr(), k, d, outs.data_ptr(),
                                      y.data_ptr(), a, b) for a, b in rows])
         return y
@@ -190,9 +205,10 @@ class Kernels:
             scores = torch.empty(max(1, max_keys), dtype=torch.float32)
             return lambda: self._attn(q_THD.data_ptr(), h, dh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
                                       units[a:].data_ptr(), b - a, keys.data_ptr(), scale, out_THD.data_ptr(),
-                                      scores.data_ptr())
+                                      scores.data_ptr(), max(1, max_keys))
 
-        self._run([part(a, b) for a, b in _split(work, torch.get_num_threads())] or [lambda: None])
+        parts = [(0, len(work))] if self.openmp else _split(work, torch.get_num_threads())
+        self._run([part(a, b) for a, b in parts if b > a] or [lambda: None])
 
 
 def _split(cumulative: list[int], parts: int) -> list[tuple[int, int]]:

@@ -10,6 +10,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,9 +80,7 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
                        const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                        float *scratch, int64_t *slot) {
     int64_t N = T * Kt;
-    float *rows = scratch;              /* [N + MB, D]: gathered inputs of one expert, zero-padded */
-    float *h = rows + (N + MB) * D;     /* [N + MB, 2I] */
-    float *act = h + (N + MB) * 2 * I;  /* [N + MB, I] */
+    /* per thread: rows [N + MB, D] (one expert's gathered inputs, zero-padded), h [N + MB, 2I], act [N + MB, I] */
     int64_t span = e1 - e0;
     if (span <= 0) return;
     int64_t *count = (int64_t *)calloc((size_t)span + 1, sizeof(int64_t));
@@ -92,9 +93,26 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
     for (int64_t n = 0; n < N; n++)
         if (idx[n] >= e0 && idx[n] < e1) slot[pos[idx[n] - e0]++] = n;
     free(pos);
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+    float *rows = scratch, *h, *act;
+    float *own = NULL;
+#ifdef _OPENMP
+    if (omp_get_thread_num() > 0) { /* thread 0 uses the caller's scratch, the others their own */
+        own = (float *)malloc(sizeof(float) * (size_t)((N + MB) * (D + 3 * I)));
+        rows = own;
+    }
+#endif
+    h = rows + (N + MB) * D;
+    act = h + (N + MB) * 2 * I;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
     for (int64_t e = 0; e < span; e++) {
         int64_t a = count[e], b = count[e + 1], m = b - a;
-        if (!m) continue;
+        if (!m || !rows) continue;
         const float *gu = gate_up + (e0 + e) * D * 2 * I, *dn = down + (e0 + e) * I * D;
         int64_t mp = (m + MB - 1) / MB * MB; /* zero rows up to a whole register block */
         for (int64_t r = 0; r < m; r++)
@@ -117,15 +135,20 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
         for (int64_t r = 0; r < m; r++)
             memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
     }
+    free(own);
+    }
     free(count);
 }
 
 /* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1). */
 void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t D, const float *outs, float *y,
                        int64_t t0, int64_t t1) {
-    int64_t ks[64];
     int64_t kn = Kt < 64 ? Kt : 64;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
     for (int64_t t = t0; t < t1; t++) {
+        int64_t ks[64];
         float *yt = y + t * D;
         memset(yt, 0, sizeof(float) * (size_t)D);
         for (int64_t k = 0; k < kn; k++) ks[k] = k;
@@ -162,12 +185,24 @@ static inline float dot(const float *a, const float *b, int64_t n) {
    q [T, H, Dh]; kpool, vpool [capacity, Kh, Dh]; units [U, 4] = (q_start, q_len, key_offset, key_len):
    the unit's keys are slots keys[key_offset : key_offset + key_len] in position order, and its query i
    (0-based) sees the first key_len - q_len + i + 1 of them (causal, bottom-right aligned).
-   out [T, H, Dh] (rows of units written). scores: at least max key_len floats. */
+   out [T, H, Dh] (rows of units written). scores0: at least max_keys floats (the first thread's; the others
+   allocate their own). */
 void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
                      const int64_t *units, int64_t U, const int64_t *keys, float scale, float *out,
-                     float *scores) {
+                     float *scores0, int64_t max_keys) {
     int64_t group = H / Kh;
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+    float *scores = scores0;
+#ifdef _OPENMP
+    float *own = NULL;
+    if (omp_get_thread_num() > 0) scores = own = (float *)malloc(sizeof(float) * (size_t)(max_keys > 0 ? max_keys : 1));
+#pragma omp for schedule(dynamic, 1)
+#endif
     for (int64_t u = 0; u < U; u++) {
+        if (!scores) continue;
         int64_t q_start = units[4 * u], q_len = units[4 * u + 1];
         const int64_t *ks = keys + units[4 * u + 2];
         int64_t key_len = units[4 * u + 3];
@@ -201,4 +236,18 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
             }
         }
     }
+#ifdef _OPENMP
+    free(own);
+#endif
+    }
+}
+
+/* 1 when built with OpenMP: the calls then spread over torch's own OpenMP threads (same runtime, same
+   thread count), and the caller does not split the work itself. */
+int flood_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
