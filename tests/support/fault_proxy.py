@@ -370,6 +370,27 @@ def every_nth(n: int, fault: Fault = "503", methods: set[str] | None = None) -> 
     return rule
 
 
+def every_nth_once(n: int, fault: Fault = "503") -> Rule:
+    """Fail the first attempt of the n-th, 2n-th, ... *distinct* request (method, path and query); its retries
+    pass. Unlike ``every_nth``, a client whose parallel workers retry in lockstep cannot have one request land
+    on the failing turn again and again."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    _check_fault(fault)
+    lock = threading.Lock()
+    seen: set[tuple[str, str, str]] = set()
+
+    def rule(request: FaultRequest) -> Fault | None:
+        key = (request.method.upper(), request.path, request.query)
+        with lock:
+            if key in seen:
+                return None
+            seen.add(key)
+            return fault if len(seen) % n == 0 else None
+
+    return rule
+
+
 def first_n(n: int, fault: Fault = "503") -> Rule:
     """Fail the first ``n`` requests this rule sees, then forward everything."""
     if n < 0:

@@ -20,7 +20,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConn
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import make_client
-from tests.support.fault_proxy import FaultProxy, FaultRequest, every_nth, first_n, fraction
+from tests.support.fault_proxy import FaultProxy, FaultRequest, every_nth, every_nth_once, first_n, fraction
 
 MiB = 1 << 20
 
@@ -327,6 +327,14 @@ def test_every_nth() -> None:
     rule = every_nth(2, methods={"PUT"})
     assert [rule(r) for r in _requests(["PUT", "GET", "PUT", "GET", "PUT", "PUT"])] == \
         [None, None, "503", None, None, "503"]
+
+
+def test_every_nth_once_fails_a_distinct_request_once() -> None:
+    rule = every_nth_once(2)
+    req = [FaultRequest(method="GET", path=f"/b/{p}", query=q, headers={}, number=i)
+           for i, (p, q) in enumerate([("a", ""), ("b", ""), ("b", ""), ("a", "x=1"), ("c", ""), ("a", "x=1")], 1)]
+    # distinct requests a, b, a?x=1, c: the 2nd (b) and 4th (c) fail on their first attempt only
+    assert [rule(r) for r in req] == [None, "503", None, None, "503", None]
 
 
 def test_first_n() -> None:
