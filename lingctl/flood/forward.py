@@ -30,6 +30,7 @@ from torch import nn
 from lingctl.flood.experts import StackedExperts, routed_experts
 from lingctl.flood.native import Kernels, kernels
 from lingctl.flood.packed import PackedLinear
+from lingctl.flood.packed import available as packed_available
 from lingctl.flood.segment_cache import KVPool
 from lingctl.model.layers import apply_rope, rope_cos_sin
 from lingctl.model.ling import LingForCausalLM
@@ -216,8 +217,10 @@ def _input_major(linear: nn.Module) -> None:
 
 
 def _fast(linear: nn.Module) -> Linear:
-    """The packed form of a float linear, else the module itself (int8 layers)."""
-    _input_major(linear)
+    """The packed form of a float linear, else the module itself (int8 layers). The input-major copy only
+    pays where products go through ``F.linear`` (no oneDNN): packing reads the weight in any layout."""
+    if not packed_available():
+        _input_major(linear)
     packed = PackedLinear.of(linear)
     return packed if packed is not None else linear
 
