@@ -46,6 +46,18 @@ def _isolated_aws(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Temp
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
+@pytest.fixture(autouse=True)
+def _isolated_hf_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No test reads or writes the developer's Hugging Face cache or token, and none reports telemetry."""
+    home = tmp_path_factory.getbasetemp() / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    if "HF_HUB_CACHE" in os.environ:
+        monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    for var in ("HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3Server]:
     """``rclone serve s3`` on a free port for the whole session; stopped by pid at the end."""

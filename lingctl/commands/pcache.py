@@ -39,8 +39,10 @@ def plan(
         "--shard-optimizer/--no-shard-optimizer", help="Optimizer state cut across data-parallel replicas "
                                                        "(ZeRO-1; default: not).")] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", metavar="PRESET|DIR|TENSORS.json", help=f"A preset ({_PRESETS}), a checkpoint directory "
-                                                           "(headers only are read) or a JSON tensor list.")] = None,
+        "--model", metavar="PRESET|DIR|ORG/NAME[@REV]|TENSORS.json",
+        help=f"A preset ({_PRESETS}); a checkpoint directory, or a Hugging Face model id from the Hugging Face "
+             "cache (downloaded when missing unless HF_HUB_OFFLINE=1), of which only config.json and the "
+             "safetensors headers are read; or a JSON tensor list.")] = None,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="Parameter dtype, e.g. bfloat16 (default: the model's own).")] = None,
     optimizer: Annotated[str | None, typer.Option(

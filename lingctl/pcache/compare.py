@@ -85,7 +85,7 @@ class PlanSettings:
 
     def validate(self) -> None:
         if not self.model:
-            raise UsageError("no model given", hint="--model PRESET|DIR|TENSORS.json, e.g. --model ling-lite")
+            raise UsageError("no model given", hint="--model PRESET|DIR|ORG/NAME[@REV]|TENSORS.json, e.g. --model ling-lite")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"unknown optimizer {self.optimizer!r}", hint=f"choose one of {', '.join(OPTIMIZERS)}")
         for name in ("chunk_mb", "buffer_mb"):

@@ -7,7 +7,8 @@ Three sources are read:
   MoE layer as templates for the rest, with parameter initialisation skipped;
 - a checkpoint directory (``config.json`` and safetensors files, sharded or not): only the safetensors
   headers are read; a Ling (``bailing_moe``) config puts the tensors in the model's own order, any other
-  in natural name order;
+  in natural name order. A Hugging Face model id (``org/name[@rev]``) that is not a local path names its
+  snapshot directory in the Hugging Face cache (``lingctl.core.hub``);
 - a JSON file listing ``[{"name", "shape", "dtype"}]``, in the order given.
 
 Where the source gives no config, layers and experts are counted from the tensor names and the number of
@@ -63,8 +64,9 @@ class Model:
 
 
 def load_model(source: str) -> Model:
-    """A preset name, a checkpoint directory (config.json + safetensors; only headers are read), or a JSON
-    file listing ``[{"name", "shape", "dtype"}]``."""
+    """A preset name, a checkpoint directory (config.json + safetensors; only headers are read) or a Hugging
+    Face model id naming one in the cache, or a JSON file listing ``[{"name", "shape", "dtype"}]``."""
+    from lingctl.core.hub import is_repo_id, resolve_model_dir
     from lingctl.model.presets import PRESETS, preset
 
     if source in PRESETS:
@@ -78,10 +80,13 @@ def load_model(source: str) -> Model:
         return _listed_model(path)
     if path.exists():
         raise UsageError(f"--model {source}: expected a checkpoint directory or a .json tensor list")
+    if is_repo_id(source) and path.suffix != ".json":  # a missing tensor list is not looked up on the Hub
+        return dataclasses.replace(_directory_model(resolve_model_dir(source, option="--model")), source=source)
     if "/" in source or path.suffix:
         raise UsageError(f"--model {source}: no such directory or file")
     raise UsageError(f"unknown model preset {source!r}",
-                     hint=f"choose one of {', '.join(PRESETS)}, or give a checkpoint directory or tensors .json")
+                     hint=f"choose one of {', '.join(PRESETS)}, or give a checkpoint directory, a Hugging Face "
+                          f"model id ORG/NAME or a tensors .json")
 
 
 def ling_tensors(config: Any, dtype: str | None = None) -> list[Tensor]:
