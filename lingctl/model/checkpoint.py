@@ -1,8 +1,9 @@
 """Ling checkpoint directories in the Hugging Face layout: save, and load (single file or sharded).
 
-A directory holds ``config.json`` (every field explicit), ``model.safetensors`` (``{"format": "pt"}``) or
-``model.safetensors.index.json`` + shards, ``tokenizer.json`` and ``generation_config.json``. The same
-directory loads here, in flood, and in other tools that read Ling checkpoints.
+A directory holds ``config.json`` (every field explicit, with an ``auto_map``), ``model.safetensors``
+(``{"format": "pt"}``) or ``model.safetensors.index.json`` + shards, ``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json`` and ``generation_config.json`` (see ``hf_files``). The
+same directory loads here, in flood, in transformers and in other tools that read Ling checkpoints.
 
 Loading builds the model on the ``meta`` device (no memory, no init) and assigns the mmap'd tensors, so a
 checkpoint is never in memory twice; a dtype change copies only the tensors that need it.
@@ -12,13 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.core.units import parse_size
 from lingctl.model.config import LingConfig
+from lingctl.model.hf_files import (DEFAULT_MAX_SHARD_SIZE, LING_CODE_REPO, generation_config, hf_config,
+                                    index_json, plan_shards, shard_names, tensor_bytes, tokenizer_files)
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import Dispatch
 from lingctl.model.safetensors_io import DEFAULT_METADATA, load_safetensors, read_header, write_safetensors
@@ -54,29 +60,49 @@ def model_state(model: LingForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: LingForCausalLM, directory: Path, *, tokenizer_json: str | None = None,
-                    dtype: torch.dtype | None = None) -> None:
-    """Write a complete checkpoint directory. Each file is written atomically, weights first and
-    ``config.json`` last, so a directory with a config is a complete one."""
+                    dtype: torch.dtype | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                    tokenizer_config: Mapping[str, Any] | None = None,
+                    code_repo: str | None = LING_CODE_REPO) -> None:
+    """Write a complete checkpoint directory in the Hugging Face layout (see ``hf_files``).
+
+    Each file is written atomically, weights first and ``config.json`` last, so a directory with a config is
+    a complete one. Weights over ``max_shard_size`` are split into shards with an index. ``tokenizer_config``
+    is the tokenizer_config.json that came with the tokenizer, kept (only what it lacks is filled in);
+    ``code_repo`` is where config.json's auto_map sends transformers for Ling's code (None: beside the weights).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = model_state(model)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     saved_dtype = next(iter(state.values())).dtype
-    with atomic_write(directory / WEIGHTS) as (_, f):
-        write_safetensors(f, state, DEFAULT_METADATA)
+    shards = plan_shards(((k, tensor_bytes(v)) for k, v in state.items()), parse_size(max_shard_size))
+    if len(shards) == 1:
+        with atomic_write(directory / WEIGHTS) as (_, f):
+            write_safetensors(f, state, DEFAULT_METADATA)
+    else:
+        weight_map: dict[str, str] = {}
+        for names, file in zip(shards, shard_names(len(shards))):
+            with atomic_write(directory / file) as (_, f):
+                write_safetensors(f, {k: state[k] for k in names}, DEFAULT_METADATA)
+            weight_map.update(dict.fromkeys(names, file))
+        total = sum(tensor_bytes(v) for v in state.values())
+        _write_json(directory / WEIGHTS_INDEX, index_json(weight_map, total))
+    config = model.config
     if tokenizer_json is not None:
         with atomic_write(directory / TOKENIZER) as (_, f):
             f.write(tokenizer_json.encode())
-    config = model.config
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-                  "pad_token_id": config.pad_token_id, "do_sample": False}
-    with atomic_write(directory / GENERATION_CONFIG) as (_, f):
-        f.write((json.dumps(generation, indent=2) + "\n").encode())
-    data = config.to_hf_dict()
-    data["torch_dtype"] = dtype_name(saved_dtype)
-    with atomic_write(directory / CONFIG) as (_, f):
-        f.write((json.dumps(data, indent=2) + "\n").encode())
+        files = tokenizer_files(tokenizer_json, model_max_length=config.max_position_embeddings,
+                                base=tokenizer_config)
+        for name, content in files.items():
+            _write_json(directory / name, content)
+    _write_json(directory / GENERATION_CONFIG, generation_config(config))
+    _write_json(directory / CONFIG, hf_config(config, dtype=dtype_name(saved_dtype), code_repo=code_repo))
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with atomic_write(path) as (_, f):
+        f.write((json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode())
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -106,6 +132,24 @@ def load_config(directory: Path) -> LingConfig:
     return LingConfig.load(directory / CONFIG)
 
 
+def _check_names(directory: Path, files: dict[str, Path], expected: set[str]) -> None:
+    missing = sorted(expected - files.keys())
+    unexpected = sorted(files.keys() - expected)
+    if missing:
+        raise LingctlError(f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
+                           f"e.g. {', '.join(missing[:3])}")
+    if unexpected:
+        raise LingctlError(f"{directory}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
+                           f"e.g. {', '.join(unexpected[:3])}")
+
+
+def _tensors_by_file(files: dict[str, Path]) -> list[tuple[Path, list[str]]]:
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    return sorted(by_file.items())
+
+
 def load_checkpoint(directory: Path, *, dtype: torch.dtype | None = None, dispatch: Dispatch = "sorted",
                     device: str | torch.device = "cpu") -> LingForCausalLM:
     """The model in ``directory``: built on meta, weights assigned from the mmap'd files (strict: a missing
@@ -115,21 +159,10 @@ def load_checkpoint(directory: Path, *, dtype: torch.dtype | None = None, dispat
     files = weight_files(directory)
     with torch.device("meta"):
         model = LingForCausalLM(config, dispatch)
-    expected = set(model_state(model))
-    missing = sorted(expected - files.keys())
-    unexpected = sorted(files.keys() - expected)
-    if missing:
-        raise LingctlError(f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
-                           f"e.g. {', '.join(missing[:3])}")
-    if unexpected:
-        raise LingctlError(f"{directory}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
-                           f"e.g. {', '.join(unexpected[:3])}")
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
+    _check_names(directory, files, set(model_state(model)))
     state: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
-    for path, names in sorted(by_file.items()):
+    for path, names in _tensors_by_file(files):
         for name, tensor in load_safetensors(path, names).items():
             want = params[name].shape
             if tuple(tensor.shape) != tuple(want):
@@ -145,6 +178,27 @@ def load_checkpoint(directory: Path, *, dtype: torch.dtype | None = None, dispat
         model.lm_head.weight = model.model.word_embeddings.weight
     log.debug("loaded %d tensors from %s", len(state), directory)
     return model
+
+
+def load_weights_into(model: LingForCausalLM, directory: Path) -> int:
+    """Copy the weights of the checkpoint in ``directory`` into ``model``'s parameters (converted to their
+    dtype), file by file from the mapped shards, so memory holds the model once plus what the page cache
+    keeps. Every name and shape must match; returns the number of bytes read."""
+    directory = Path(directory)
+    files = weight_files(directory)
+    _check_names(directory, files, set(model_state(model)))
+    params = dict(model.named_parameters())
+    read = 0
+    with torch.no_grad():
+        for path, names in _tensors_by_file(files):
+            for name, tensor in load_safetensors(path, names).items():
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise LingctlError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the model's is "
+                                       f"{tuple(param.shape)}")
+                param.copy_(tensor)
+                read += tensor.numel() * tensor.element_size()
+    return read
 
 
 def read_tokenizer_json(directory: Path) -> str | None:

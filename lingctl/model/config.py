@@ -159,8 +159,8 @@ class LingConfig:
         """Every field explicit, so no reader falls back to BailingMoeConfig's differing class defaults."""
         data = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
         data.update(dataclasses.asdict(self))
+        # No rope_scaling key: null is its default everywhere, and transformers 5 warns that the key is deprecated.
         data.update({
-            "rope_scaling": None,
             "attention_dropout": 0.0,
             "embedding_dropout": 0.0,
             "output_dropout": 0.0,

@@ -13,22 +13,24 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
+from lingctl.model.hf_files import EOS_TOKEN, SPECIAL_TOKENS
 
-SPECIAL_EOS = "<|endoftext|>"
+SPECIAL_EOS = EOS_TOKEN
 # Names other tokenizers use for the same role, tried in this order after ours.
 EOS_ALIASES = (SPECIAL_EOS, "</s>", "<eos>")
-# 256 byte tokens plus the special token leave room for a few dozen merges; fewer would not be BPE.
+# 256 byte tokens plus the special tokens leave room for a few dozen merges; fewer would not be BPE.
 MIN_VOCAB_SIZE = 300
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with ``vocab_size`` entries, ``SPECIAL_EOS`` among them.
+    """A byte-level BPE tokenizer with ``vocab_size`` entries, Ling's special tokens among them (end and
+    start of text, chat role markers; the end of text is id 0).
 
     The same texts in the same order give the same tokenizer (``to_str()`` equal), so a run that retrains
     on resume ends up with the ids its checkpoint was trained on.
     """
     if vocab_size < MIN_VOCAB_SIZE:
-        raise UsageError(f"vocab size {vocab_size} is too small: the byte alphabet alone needs 257 entries",
+        raise UsageError(f"vocab size {vocab_size} is too small: the byte alphabet and special tokens alone need 260 entries",
                          hint=f"use a vocab size of at least {MIN_VOCAB_SIZE}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,7 +39,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         vocab_size=vocab_size,
         # Every byte is in the vocabulary even if the corpus never shows it, so nothing maps to "unknown".
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[SPECIAL_EOS],
+        special_tokens=list(SPECIAL_TOKENS),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
