@@ -27,8 +27,10 @@ _HUMAN_EVERY_S = 5.0
 def run(
     batch: Annotated[Path, typer.Argument(help="Requests, one JSON object per line (OpenAI batch format or "
                                                "{\"custom_id\", \"prompt\"}).")],
-    model: Annotated[Path, typer.Option("--model", "-m", help="Checkpoint directory (lingctl or Hugging Face "
-                                                              "layout).")],
+    model: Annotated[str, typer.Option(
+        "--model", "-m", metavar="DIR|ORG/NAME[@REV]",
+        help="Checkpoint directory (lingctl or Hugging Face layout), or a Hugging Face model id read from the "
+             "Hugging Face cache (HF_HOME; downloaded when missing unless HF_HUB_OFFLINE=1).")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output JSONL (default: BATCH.output.jsonl).")] = None,
     errors: Annotated[Path | None, typer.Option("--errors", help="Errors JSONL (default: beside the output).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run: skip answered requests.")] = False,

@@ -1,9 +1,10 @@
 """Chat templates: compiled in Jinja's sandbox, rendered in a worker process under per-request limits.
 
 A chat template is code that comes with the checkpoint (or ``--chat-template``) and runs on every chat
-request. Jinja's sandbox keeps it away from Python objects it must not touch, but it has no limit on time or
-size: nested ``{% for %}`` loops run for hours, and ``{% set s = s ~ s %}`` in a loop doubles a string until
-memory runs out. Hooks on calls and attribute reads cannot count a loop whose body has neither, so the limits
+request, in the environment and with the variables that transformers gives it (``chat_environment``).
+Jinja's sandbox keeps it away from Python objects it must not touch, but it has no limit on time or size:
+nested ``{% for %}`` loops run for hours, and ``{% set s = s ~ s %}`` in a loop doubles a string until memory
+runs out. Hooks on calls and attribute reads cannot count a loop whose body has neither, so the limits
 are enforced from outside the template, in one long-lived worker process (``python -m
 lingctl.flood.chat_template``), per request:
 
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lingctl.core.errors import LingctlError
@@ -64,10 +66,11 @@ class RenderError(ValueError):
 
 
 def _environment(max_chars: int) -> Any:
-    """Jinja's immutable sandbox, as Hugging Face tokenizers render chat templates, with ``*`` and ``**``
+    """The environment transformers renders chat templates in (``chat_environment``), with ``*`` and ``**``
     checked before they run (and so never folded at compile time)."""
-    from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from lingctl.flood.chat_environment import chat_environment
 
     class LimitedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**"})
@@ -76,12 +79,7 @@ def _environment(max_chars: int) -> Any:
             _check_binop(operator, left, right, max_chars)
             return super().call_binop(context, operator, left, right)
 
-    def raise_exception(message: str) -> None:  # what Hugging Face templates call to refuse an input
-        raise TemplateError(message)
-
-    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, optimized=False)
-    env.globals["raise_exception"] = raise_exception
-    return env
+    return chat_environment(LimitedEnvironment, optimized=False)
 
 
 def _check_binop(operator: str, left: Any, right: Any, max_chars: int) -> None:
@@ -124,12 +122,19 @@ class TemplateRenderer:
         self._buf = bytearray()
         self._finalizer: weakref.finalize | None = None
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-               bos_token: str = "", eos_token: str = "") -> str:
-        """The prompt text for ``messages``; ``RenderError`` when this request's render fails or passes a
-        limit. ``LingctlError`` when the worker cannot be started at all."""
-        request = _line({"messages": messages, "add_generation_prompt": add_generation_prompt,
-                         "bos_token": bos_token, "eos_token": eos_token})
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               special_tokens: Mapping[str, str] | None = None, tools: list[Any] | None = None,
+               documents: list[Any] | None = None) -> str:
+        """The prompt text for ``messages``, rendered with the variables transformers gives a template:
+        ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and ``special_tokens`` (``bos_token``,
+        ``eos_token``, ...: ``ModelDir.special_tokens``). ``RenderError`` when this request's render fails or
+        passes a limit; ``LingctlError`` when the worker cannot be started at all."""
+        from lingctl.flood.chat_environment import template_messages
+
+        # Special tokens first: as in transformers, a variable of the same name wins over a token.
+        variables = {**(special_tokens or {}), "messages": template_messages(messages), "tools": tools,
+                     "documents": documents, "add_generation_prompt": add_generation_prompt}
+        request = _line(variables)
         for attempt in (1, 2):
             proc = self._worker()
             try:
@@ -329,9 +334,7 @@ def _render(template: Any, request: dict[str, Any], limits: dict[str, Any]) -> d
     try:
         _start_timer(limits["timeout_s"])
         try:
-            for chunk in template.generate(messages=request["messages"],
-                                           add_generation_prompt=request["add_generation_prompt"],
-                                           bos_token=request["bos_token"], eos_token=request["eos_token"]):
+            for chunk in template.generate(request):
                 size += len(chunk)
                 if size > limits["max_chars"]:
                     return {"error": f"the chat template produced more than {limits['max_chars']:,} characters"}

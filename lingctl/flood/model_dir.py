@@ -1,9 +1,11 @@
 """A model directory as flood serves it: config, weights (whole or one pipeline stage's share), tokenizer,
-chat template, stop ids, and a fingerprint that tells whether an output file was written by this model.
+chat template and special tokens, stop ids, and a fingerprint that tells whether an output file was written
+by this model.
 
 Reads lingctl checkpoints and Ling checkpoints in the Hugging Face layout (``config.json``,
-``model.safetensors`` or an index with shards, ``tokenizer.json``, and the chat template from
-``tokenizer_config.json`` or ``chat_template.jinja``).
+``model.safetensors`` or an index with shards, ``tokenizer.json``, the chat template from
+``tokenizer_config.json`` or ``chat_template.jinja``, special tokens from ``tokenizer_config.json`` and
+``special_tokens_map.json``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.flood.loader import LoadStats, load_streaming
 from lingctl.model.checkpoint import CONFIG, GENERATION_CONFIG, TOKENIZER, load_config, weight_files
 from lingctl.model.config import LingConfig
+from lingctl.model.hf_files import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import read_entries
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -59,6 +61,20 @@ class ModelDir:
 
     def tokenizer_config(self) -> dict[str, Any]:
         return self._json(TOKENIZER_CONFIG)
+
+    def special_tokens(self) -> dict[str, str]:
+        """The tokenizer's named special tokens as strings, as transformers' ``special_tokens_map`` has them and
+        passes them to chat templates: every ``*_token`` entry of ``tokenizer_config.json`` (``bos_token``,
+        ``eos_token``, ``pad_token``, ... and model-specific ones such as ``image_token``) and of an
+        ``extra_special_tokens`` object, each a string or an AddedToken object (its ``content``).
+        ``special_tokens_map.json`` is the older place for them: transformers reads it only when the config has
+        no ``added_tokens_decoder``, and then its entries win. Lists (``additional_special_tokens``) are not
+        named tokens, and templates do not get them."""
+        config = self.tokenizer_config()
+        tokens = _named_tokens(config)
+        if "added_tokens_decoder" not in config:
+            tokens.update(_named_tokens(self._json(SPECIAL_TOKENS_MAP)))
+        return {name: text for name, text in tokens.items() if text is not None}
 
     def has_tokenizer(self) -> bool:
         return (self.path / TOKENIZER).exists()
@@ -122,3 +138,20 @@ class ModelDir:
         log.info("loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s", stats.tensors,
                  stats.bytes_read / 1e9, stats.files, stats.seconds)
         return model, stats
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken, serialised
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _named_tokens(side_file: dict[str, Any]) -> dict[str, str | None]:
+    """``{name: text}`` for the named special tokens in a tokenizer_config.json or special_tokens_map.json;
+    None for a name set to null, which unsets it when this file takes precedence."""
+    entries = [(name, value) for name, value in side_file.items() if name.endswith("_token")]
+    extra = side_file.get("extra_special_tokens")  # a list holds unnamed tokens; an object, named ones
+    if isinstance(extra, dict):
+        entries += extra.items()
+    return {name: _token_text(value) for name, value in entries
+            if value is None or _token_text(value) is not None}

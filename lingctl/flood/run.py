@@ -1,6 +1,7 @@
 """``flood run``: batch file in, OpenAI batch output out, through the engine.
 
-Order of work: validate the whole batch file; open the model directory (config, tokenizer, template); on
+Order of work: validate the whole batch file; find the model directory (a local one, or a Hugging Face model
+id's snapshot in the cache: ``lingctl.core.hub``) and open it (config, tokenizer, template); on
 ``--resume`` read what was already answered; turn the other prompts into token ids; plan memory from the
 config alone; then (unless ``--dry-run``) load the weights and run, writing each answer the moment it is final.
 
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
+from lingctl.core.hub import parse_repo_id, resolve_model_dir
 from lingctl.core.names import printable
 from lingctl.flood.batch_output import BatchOutput, default_paths
 from lingctl.flood.chat_template import TemplateLimits
@@ -55,7 +57,7 @@ ENGINE_VERSION = "flood/1"
 @dataclass(kw_only=True, slots=True)
 class FloodOptions:
     batch: Path
-    model: Path
+    model: Path | str  # checkpoint directory, or Hugging Face model id ORG/NAME[@REVISION] (from the cache)
     out: Path | None = None
     errors: Path | None = None
     resume: bool = False
@@ -173,12 +175,13 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
     opts.validate()
     dtype = parse_dtype(opts.dtype)
     batch = read_batch(opts.batch)
-    md = ModelDir.open(opts.model)
+    model_dir = resolve_model_dir(opts.model, option="--model")
+    md = ModelDir.open(model_dir)  # stages, fingerprint and loading all use this directory, never the id
     check_weights_fit(md.config, dtype=dtype, quantize=opts.quantize)  # before the fingerprint reads a byte
     if not opts.dry_run:
         md.check_weights()
     template = _read_template(opts.chat_template) if opts.chat_template is not None else md.chat_template()
-    codec = TextCodec.for_model(md.path, chat_template=template, tokenizer_config=md.tokenizer_config(),
+    codec = TextCodec.for_model(md.path, chat_template=template, special_tokens=md.special_tokens(),
                                 limits=opts.template_limits)
     codec.check_template()
     out, errors = default_paths(opts.batch, opts.out, opts.errors)
@@ -313,7 +316,7 @@ def _generate_with_threads(opts: FloodOptions, md: ModelDir, codec: TextCodec, j
     by_key = {id(j): j for j in jobs}
     requests = [GenRequest(key=id(j), prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id)
                 for j in jobs]
-    model_name = md.path.name
+    model_name = _model_name(opts.model, md.path)
     policy.start()
     summary.threads = dataclasses.asdict(policy.report) if policy.report is not None else {}
     if stage_n:
@@ -356,6 +359,13 @@ def _generate_with_threads(opts: FloodOptions, md: ModelDir, codec: TextCodec, j
         output.close()
         raise Interrupted(f"interrupted after {summary.succeeded + summary.failed} answers; every answer written "
                           f"so far is kept", hint="continue with the same command plus --resume")
+
+
+def _model_name(spec: Path | str, path: Path) -> str:
+    """The ``model`` field of answers to requests that name none: a Hub id as given (``org/name``, as vLLM
+    serves it), not its snapshot's commit hash; a local directory by its name."""
+    hub_id = None if Path(spec).exists() else parse_repo_id(str(spec))
+    return hub_id.repo_id if hub_id is not None else path.name
 
 
 def _write_failure(output: BatchOutput, job: _Job, res: GenResult) -> None:

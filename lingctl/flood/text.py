@@ -18,31 +18,24 @@ class PromptError(ValueError):
     """A request that cannot be turned into token ids; reported for that request only."""
 
 
-def _special(value: Any) -> str:
-    if isinstance(value, dict):  # tokenizer_config.json may hold AddedToken dicts
-        return str(value.get("content", ""))
-    return value if isinstance(value, str) else ""
-
-
 @dataclass(slots=True)
 class TextCodec:
     tokenizer: Any | None  # tokenizers.Tokenizer
     chat_template: str | None
-    bos_token: str = ""
-    eos_token: str = ""
+    # The tokenizer's named special tokens ({"eos_token": "<|endoftext|>", ...}), template variables.
+    special_tokens: dict[str, str] = field(default_factory=dict)
     limits: TemplateLimits = field(default_factory=TemplateLimits)
     _renderer: TemplateRenderer | None = field(default=None, init=False, repr=False)
 
     @staticmethod
-    def for_model(path: Path, *, chat_template: str | None, tokenizer_config: dict[str, Any],
+    def for_model(path: Path, *, chat_template: str | None, special_tokens: dict[str, str],
                   limits: TemplateLimits | None = None) -> TextCodec:
         tok = None
         if (path / "tokenizer.json").exists():
             from lingctl.train.tokenizer import load_tokenizer
 
             tok = load_tokenizer(path / "tokenizer.json")
-        return TextCodec(tok, chat_template, _special(tokenizer_config.get("bos_token")),
-                         _special(tokenizer_config.get("eos_token")), limits or TemplateLimits())
+        return TextCodec(tok, chat_template, dict(special_tokens), limits or TemplateLimits())
 
     def check_template(self) -> None:
         """``LingctlError`` when the template does not parse: that would fail every chat request."""
@@ -67,7 +60,7 @@ class TextCodec:
                 self._renderer = TemplateRenderer(self.chat_template, self.limits)
             try:
                 text = self._renderer.render(req.messages or [], add_generation_prompt=True,
-                                             bos_token=self.bos_token, eos_token=self.eos_token)
+                                             special_tokens=self.special_tokens)
             except RenderError as exc:
                 raise PromptError(str(exc)) from None
             # The template already holds whatever special tokens the model expects.

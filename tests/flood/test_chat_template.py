@@ -27,13 +27,23 @@ HOSTILE = {
     "double": "{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
               "{% endfor %}{{ ns.s|length }}",
     "bigint": "{{ (10**4096)**4096 }}",
+    # transformers' tojson is json.dumps, whose indent is built as one string of that many spaces.
+    "indent": "{{ messages | tojson(indent=10**9) }}",
+}
+# Reaching past transformers' globals: namespace refuses underscore names, dict and functions expose no type.
+ESCAPES = {
+    "ns_init": "{% set ns = namespace(_Namespace__attrs=1) %}",
+    "ns_set": "{% set ns = namespace(a=1) %}{% set ns._x = 1 %}",
+    "dict_type": "{{ dict.__class__.__subclasses__() }}",
+    "fn_globals": "{{ strftime_now.__globals__['os'] }}",
 }
 TEMPLATE = ("{% set c = messages[0]['content'] %}"
-            + "".join(f"{{% if c == '{name}' %}}{body}{{% endif %}}" for name, body in HOSTILE.items())
+            + "".join(f"{{% if c == '{name}' %}}{body}{{% endif %}}" for name, body in (HOSTILE | ESCAPES).items())
             + CHAT_TEMPLATE)
 ERRORS = {"nested": "took longer than 0.5 s", "range6": "Range too big", "repeat": "over the limit of 100,000",
           "stream": "produced more than 100,000 characters", "bigint": "integer of about",
-          "double": "more than 256 MiB|took longer than"}  # whichever limit it reaches first
+          "double": "more than 256 MiB|took longer than",  # whichever limit it reaches first
+          "indent": "more than 256 MiB"}
 
 
 def _msg(content: str) -> list[dict[str, str]]:
@@ -116,6 +126,13 @@ def test_a_template_that_does_not_parse_is_one_error_before_any_work(source: str
     with pytest.raises(LingctlError, match="the chat template does not compile") as info:
         TemplateRenderer(source, LIMITS)
     assert "\n" not in info.value.message
+
+
+@pytest.mark.parametrize("name", list(ESCAPES))
+def test_the_globals_transformers_adds_stay_in_the_sandbox(renderer: TemplateRenderer, name: str) -> None:
+    with pytest.raises(RenderError, match="chat template failed: .*(underscore|unsafe|undefined)"):
+        renderer.render(_msg(name))
+    assert renderer.render(_msg("fine")) == "<|user|>fine\n<|assistant|>"
 
 
 def test_raise_exception_and_template_errors_are_the_request_error(renderer: TemplateRenderer) -> None:
