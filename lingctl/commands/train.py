@@ -46,7 +46,24 @@ def train(
     lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     tokenizer: Annotated[str | None, typer.Option(
-        "--tokenizer", help="An existing tokenizer.json (default: train a byte-level BPE on the data).")] = None,
+        "--tokenizer", metavar="FILE|DIR|ORG/NAME[@REV]",
+        help="An existing tokenizer: a tokenizer.json, a directory holding one, or a Hub id from the local "
+             "Hugging Face cache (default: the --init-from checkpoint's, else a byte-level BPE trained on the "
+             "data).")] = None,
+    init_from: Annotated[str | None, typer.Option(
+        "--init-from", metavar="DIR|ORG/NAME[@REV]",
+        help="Start from this Ling (bailing_moe) checkpoint: lingctl's or the Hub layout, sharded or not, a "
+             "directory or a Hub id (Hugging Face cache; downloaded when missing unless HF_HUB_OFFLINE=1). Its "
+             "shape, weights and tokenizer are used; --preset then only sets training defaults.")] = None,
+    max_shard_size: Annotated[str | None, typer.Option(
+        "--max-shard-size", metavar="SIZE",
+        help="Checkpoint weights go into safetensors shards of at most this size, with an index (default 5GB, "
+             "as save_pretrained).")] = None,
+    hf_code_repo: Annotated[str | None, typer.Option(
+        "--hf-code-repo", metavar="ORG/NAME",
+        help="The Hub repository whose Ling code config.json's auto_map names, for transformers' "
+             "trust_remote_code (default: the --init-from checkpoint's, else inclusionAI/Ling-lite; \"\" = "
+             "code files copied beside the weights).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32, or bfloat16 autocast.")] = None,
     dispatch: Annotated[str | None, typer.Option("--dispatch", help="MoE dispatch: naive, sorted, grouped.")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Steps between evals (0: only at the end).")] = None,
@@ -82,8 +99,8 @@ def train(
     """Train a Ling-style MoE (fine-grained + shared experts, dropless routing), on one process or several workers.
 
     Balance and z-loss, stochastic routing warmup, NormHead and a loss-spike guard are on by default.
-    Checkpoints are Ling checkpoint directories (config.json + safetensors) that flood and Hugging Face
-    tools load.
+    Checkpoints are Ling checkpoint directories in the Hugging Face layout (config.json with an auto_map,
+    sharded safetensors, tokenizer with a chat template) that flood, transformers and vLLM load.
 
     Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits 130; --resume continues exactly.
     """
@@ -101,6 +118,7 @@ def train(
     overrides: dict[str, Any] = {
         "preset": preset, "data.paths": data or None, "steps": steps, "max_seconds": max_seconds,
         "batch_size": batch_size, "seq_len": seq_len, "optim.lr": lr, "seed": seed, "data.tokenizer": tokenizer,
+        "init_from": init_from, "max_shard_size": max_shard_size, "hf_code_repo": hf_code_repo,
         "dtype": dtype, "dispatch": dispatch, "eval_every": eval_every, "save_every": save_every,
         "max_consecutive_skips": max_consecutive_skips,
         "sync": sync, "sync_every": sync_every, "sync_every_seconds": sync_every_seconds,

@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from lingctl.core.config import from_mapping
 from lingctl.core.errors import UsageError
+from lingctl.core.units import parse_size
 from lingctl.model.config import LingConfig
+from lingctl.model.hf_files import DEFAULT_MAX_SHARD_SIZE, LING_CODE_REPO
 from lingctl.model.presets import preset
 from lingctl.train.edit import EditConfig
 from lingctl.train.spike import SpikeConfig
@@ -110,6 +112,13 @@ class TrainConfig:
     preset: str = "small"
     # Changes to the preset's model shape, with config.json names: {num_hidden_layers = 2}.
     model: dict[str, Any] = field(default_factory=dict)
+    # Start from this Ling checkpoint (a directory or a Hub id, ORG/NAME[@REV]): its shape, weights and
+    # tokenizer; the preset then only supplies training defaults (sequence length, batch size, learning rate).
+    init_from: str | None = None
+    # Checkpoint files as Hugging Face writes them: weights split into shards of at most this size, and the
+    # Hub repository whose Ling code config.json's auto_map names ("" = code files beside the weights).
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE
+    hf_code_repo: str = LING_CODE_REPO
     steps: int = 200
     batch_size: int | None = None  # sequences per step; None = the preset's
     batch_warmup_steps: int = 0
@@ -162,6 +171,11 @@ class TrainConfig:
             self.edit.validate()
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        try:
+            parse_size(self.max_shard_size)
+        except UsageError:
+            raise UsageError(f"max_shard_size (--max-shard-size) must be a size such as 5GB or 500MiB, got "
+                             f"{self.max_shard_size!r}") from None
         if self.sync not in ("ddp", "edit"):
             raise UsageError(f"sync must be ddp or edit, got {self.sync!r}")
         preset(self.preset)  # unknown preset: one line with the choices
@@ -207,9 +221,23 @@ def resolve(config: TrainConfig) -> Resolved:
                     lr=config.optim.lr or d["lr"], vocab_size=config.data.vocab_size or d["vocab_size"])
 
 
-def model_config(config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: int) -> LingConfig:
+# Fields that fix a checkpoint's parameter shapes or what its weights mean: a run that starts from a
+# checkpoint cannot change them.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "num_experts", "num_shared_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "first_k_dense_replace", "tie_word_embeddings", "use_bias",
+                "use_qkv_bias", "norm_head")
+
+
+def model_config(config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: int,
+                 init: LingConfig | None = None) -> LingConfig:
     """The preset's shape with the run's changes; tiny/small take the tokenizer's vocabulary, while the
-    published Ling shapes keep theirs (the tokenizer must fit in it)."""
+    published Ling shapes keep theirs (the tokenizer must fit in it).
+
+    ``init``: the config of the checkpoint the run starts from, which then is the shape; a model setting that
+    disagrees with it on a shape field is refused."""
+    if init is not None:
+        return _init_model_config(config, init, vocab_size=vocab_size, seq_len=seq_len)
     base = dataclasses.asdict(preset(config.preset))
     if config.preset in ("tiny", "small"):
         base["vocab_size"] = vocab_size
@@ -223,4 +251,42 @@ def model_config(config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: 
     model.validate()
     if vocab_size > model.vocab_size:
         raise UsageError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {model.vocab_size}")
+    return model
+
+
+def check_preset_shape(name: str, init: LingConfig, source: str) -> None:
+    """An explicitly chosen preset must have the shape of the checkpoint a run starts from."""
+    shape = dataclasses.asdict(preset(name))
+    have = dataclasses.asdict(init)
+    for field_name in SHAPE_FIELDS:
+        if field_name == "vocab_size" and name in ("tiny", "small"):
+            continue  # these presets take their vocabulary from the tokenizer: the checkpoint's here
+        if shape[field_name] != have[field_name]:
+            raise UsageError(f"--preset {name} has {field_name}={shape[field_name]!r} but {source} has "
+                             f"{have[field_name]!r}", hint="drop --preset (the checkpoint sets the shape) or "
+                                                           "start from a checkpoint of that shape")
+
+
+def check_model_changes(changes: Mapping[str, Any], init: LingConfig, source: str) -> None:
+    """Model settings of a run started from a checkpoint: known fields, and none that changes its shape."""
+    base = dataclasses.asdict(init)
+    unknown = sorted(set(changes) - set(base))
+    if unknown:
+        raise UsageError(f"unknown model field {unknown[0]!r}", hint="use config.json names, e.g. model.rope_theta=1e6")
+    for name, value in changes.items():
+        if name in SHAPE_FIELDS and value != base[name]:
+            raise UsageError(f"model.{name}={value!r} does not match {source}, which has {base[name]!r}",
+                             hint="a run started from a checkpoint keeps its shape")
+
+
+def _init_model_config(config: TrainConfig, init: LingConfig, *, vocab_size: int, seq_len: int) -> LingConfig:
+    base = dataclasses.asdict(init)
+    source = f"the checkpoint ({config.init_from})"
+    check_model_changes(config.model, init, source)
+    base.update(config.model)
+    base["max_position_embeddings"] = max(base["max_position_embeddings"], seq_len)
+    model = from_mapping(LingConfig, base, where="model settings")
+    model.validate()
+    if vocab_size > model.vocab_size:
+        raise UsageError(f"the tokenizer has {vocab_size} tokens but {source} has vocab_size {model.vocab_size}")
     return model

@@ -13,6 +13,7 @@ from lingctl.model.config import LingConfig
 from lingctl.train.config import Resolved, TrainConfig, model_config
 from lingctl.train.data import (TokenData, build_token_data, corpus_fingerprint, default_corpus_files,
                                 iter_documents, resolve_sources)
+from lingctl.train.sources import tokenizer_source
 from lingctl.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,10 @@ def _default_files() -> list[Path]:
     return sorted(default_corpus_files(), key=lambda p: hashlib.sha1(p.name.encode() + str(p.parent.name).encode()).digest())
 
 
-def prepare_data(config: TrainConfig, res: Resolved, *, tokenizer_path: Path | None = None) -> PreparedData:
-    """Documents -> tokenizer (the run's own on resume, a given one, or a new BPE) -> packed rows."""
+def prepare_data(config: TrainConfig, res: Resolved, *, tokenizer_path: Path | None = None,
+                 init: LingConfig | None = None) -> PreparedData:
+    """Documents -> tokenizer (the run's own on resume, a given one, or a new BPE) -> packed rows.
+    ``init``: the shape of the checkpoint the run starts from."""
     d = config.data
     if d.paths:
         files = resolve_sources(d.paths)
@@ -48,13 +51,13 @@ def prepare_data(config: TrainConfig, res: Resolved, *, tokenizer_path: Path | N
     if tokenizer_path is not None:
         tok = load_tokenizer(tokenizer_path)
     elif d.tokenizer:
-        tok = load_tokenizer(d.tokenizer)
+        tok = load_tokenizer(tokenizer_source(d.tokenizer)[0])
     else:
         vocab = res.vocab_size or 32000
         log.info("training a %d-token byte-level BPE on %d documents", vocab, len(documents))
         tok = train_tokenizer((text for _, text in documents), vocab)
     eos = eos_id(tok)
     tokens = build_token_data(documents, tok, seq_len=res.seq_len, eval_fraction=d.eval_fraction, eos=eos)
-    mcfg = model_config(config, vocab_size=tok.get_vocab_size(), eos_id=eos, seq_len=res.seq_len)
+    mcfg = model_config(config, vocab_size=tok.get_vocab_size(), eos_id=eos, seq_len=res.seq_len, init=init)
     fingerprint = corpus_fingerprint(files) + f"-{max_bytes}"
     return PreparedData(tokenizer=tok, tokens=tokens, fingerprint=fingerprint, n_files=len(files), model_config=mcfg)

@@ -13,8 +13,9 @@ from typing import Any
 from lingctl.core.config import build, from_mapping, load_toml
 from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.core.storage import S3Options
-from lingctl.train.config import TrainConfig
+from lingctl.train.config import TrainConfig, check_model_changes, check_preset_shape
 from lingctl.train.rundir import RunDir
+from lingctl.train.sources import open_init_source
 from lingctl.train.local_sgd import LocalSgdTrainer
 from lingctl.train.trainer import CONFIG_FILE, Record, Trainer, TrainResult
 from lingctl.train.workers import start as start_workers
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = frozenset({"steps", "max_seconds", "eval_every", "eval_batches", "save_every",
                                "keep_checkpoints", "inject_spikes", "inject_spike_factor", "crash_at_step",
                                "crash_rank", "simulate_slow_rank", "slowdown", "simulate_bad_rank",
-                               "max_consecutive_skips"})
+                               "max_consecutive_skips", "max_shard_size", "hf_code_repo"})
 
 
 def default_out(preset: str) -> str:
@@ -106,8 +107,19 @@ def train(*, out: str | None, resume: bool, overrides: Mapping[str, Any], config
         config = resume_config(_saved_config(run, latest), requested, explicit)
     if workers.restarts > 0:
         config.crash_at_step = None  # a drill fires in the first attempt only, or a restart would repeat it
+    init = None
+    if config.init_from and latest is None:
+        init = open_init_source(config.init_from)
+        source = f"the checkpoint ({config.init_from})"
+        if "preset" in explicit:  # refused before any data is read
+            check_preset_shape(config.preset, init.config, source)
+        check_model_changes(config.model, init.config, source)
+        if "moe.routing_warmup_steps" not in explicit:
+            # Its routing is already trained: random routing at the start would only disturb it.
+            config.moe.routing_warmup_steps = 0
     kind = LocalSgdTrainer if workers.distributed and config.sync == "edit" else Trainer
-    trainer = kind(config, run, resume=latest is not None, restart=resume, on_record=on_record, workers=workers)
+    trainer = kind(config, run, resume=latest is not None, restart=resume, on_record=on_record, workers=workers,
+                   init=init)
     try:
         trainer.setup()
         if on_start is not None:

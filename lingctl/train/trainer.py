@@ -26,7 +26,9 @@ from lingctl.core.atomic import atomic_write
 from lingctl.core.config import to_dict
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
 from lingctl.core.names import join_under
-from lingctl.model.checkpoint import save_checkpoint
+from lingctl.model.checkpoint import CONFIG, load_config, load_weights_into, save_checkpoint
+from lingctl.model.config import LingConfig
+from lingctl.model.hf_files import LING_CODE_REPO, TOKENIZER_CONFIG, code_repo_of
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import load_safetensors
 from lingctl.pcache.checkpoint import load as pcache_load
@@ -37,6 +39,7 @@ from lingctl.train.config import TrainConfig, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
 from lingctl.train.rundir import METRICS, STATE_DIR, TOKENIZER, RunDir, checkpoint_name
+from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
 from lingctl.train.spike import SpikeGuard
 from lingctl.train.tokenizer import save_tokenizer
 from lingctl.train.workers import Workers, strided_rows
@@ -90,10 +93,12 @@ class _Position:
 
 class Trainer:
     def __init__(self, config: TrainConfig, run: RunDir, *, resume: bool = False, restart: bool = False,
-                 on_record: Callable[[Record], None] | None = None, workers: Workers | None = None) -> None:
+                 on_record: Callable[[Record], None] | None = None, workers: Workers | None = None,
+                 init: InitSource | None = None) -> None:
         """``resume``: continue from the run's committed checkpoint. ``restart``: the run directory may hold
         a run that never reached a checkpoint; start it over (otherwise an existing run is refused).
-        ``workers``: this process's place among several (one worker when None)."""
+        ``workers``: this process's place among several (one worker when None). ``init``: the checkpoint a
+        new run starts from (``--init-from``)."""
         self.config = config
         self.workers = workers or Workers()
         self.run = run
@@ -110,6 +115,12 @@ class Trainer:
         self.elapsed_before = 0.0
         self.resumed_from: int | None = None
         self.skipped_in_a_row = 0  # attempts since the last applied step
+        self.init = init
+        # The tokenizer_config.json the run's checkpoints carry (chat template, special tokens): the one that
+        # came with the tokenizer or the starting checkpoint; None = lingctl's own.
+        self.tokenizer_config: dict[str, Any] | None = None
+        # Where the checkpoints' config.json auto_map sends transformers for Ling's code.
+        self.code_repo = default_code_repo(config.hf_code_repo, init)
 
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -128,10 +139,19 @@ class Trainer:
             # not write is refused (or, adopted, its names are kept out of the run's way).
             self.run.check_fresh(restart=self.restart, last_step=c.steps)
         tokenizer_path = self.run.local / TOKENIZER if latest is not None else None
+        init_shape = self._init_shape(latest)
+        if latest is None and c.data.tokenizer:
+            self.tokenizer_config = tokenizer_source(c.data.tokenizer)[1]
+        elif latest is None and self.init is not None:
+            tokenizer_path = self.init.tokenizer
+            self.tokenizer_config = self.init.tokenizer_config
+            if tokenizer_path is None:
+                raise NotFoundError(f"{self.init.directory} has no {TOKENIZER}",
+                                    hint="pass --tokenizer with the tokenizer the checkpoint was trained with")
         if latest is None and not w.is_main:
             # Workers use rank 0's tokenizer, sent over the process group: no shared directory is needed.
             tokenizer_path = self._received_tokenizer(w.broadcast(None))
-        self.data: PreparedData = prepare_data(c, self.res, tokenizer_path=tokenizer_path)
+        self.data: PreparedData = prepare_data(c, self.res, tokenizer_path=tokenizer_path, init=init_shape)
         if latest is None and w.is_main:
             # Only now that the data is usable: a bad --data leaves no empty run directory behind.
             self.run.prepare_fresh()
@@ -142,7 +162,11 @@ class Trainer:
         self.order = BatchOrder(len(self.data.tokens.train), c.seed)
         torch.manual_seed(c.seed)
         self.model = LingForCausalLM(self.data.model_config, c.dispatch)
-        self.model.init_weights(torch.Generator().manual_seed(c.seed))
+        if latest is None and self.init is not None:
+            read = load_weights_into(self.model, self.init.directory)
+            log.info("started from %s (%.2f GB of weights)", self.init.spec, read / 1e9)
+        else:
+            self.model.init_weights(torch.Generator().manual_seed(c.seed))
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         o = c.optim
@@ -157,6 +181,20 @@ class Trainer:
         elif self.metrics_path is not None:
             self.metrics_path.write_text("")
         self.wrapped = self._wrap(self.model)
+
+    def _init_shape(self, latest: dict[str, Any] | None) -> LingConfig | None:
+        """The model shape of a run started from a checkpoint: the starting checkpoint's, or on resume the
+        run's own last checkpoint's (so the starting one need not exist any more). Its tokenizer_config.json
+        comes along."""
+        if latest is None:
+            return self.init.config if self.init is not None else None
+        ckpt = join_under(self.run.local, latest["path"], what="latest.json path")
+        self.tokenizer_config = read_json_object(ckpt / TOKENIZER_CONFIG)
+        if self.config.hf_code_repo == LING_CODE_REPO:  # unchanged: keep what the run's checkpoints name
+            self.code_repo = code_repo_of(read_json_object(ckpt / CONFIG) or {}, None) or self.code_repo
+        if not self.config.init_from:
+            return None
+        return load_config(ckpt)
 
     def _wrap(self, model: LingForCausalLM) -> torch.nn.Module:
         """What the forward runs through: DistributedDataParallel with several synchronous workers."""
@@ -499,7 +537,9 @@ class Trainer:
             self.run.claim_checkpoint(rel, main=self.workers.is_main)
         self.workers.barrier()
         if self.workers.is_main:
-            save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str())
+            save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str(),
+                            tokenizer_config=self.tokenizer_config, max_shard_size=self.config.max_shard_size,
+                            code_repo=self.code_repo)
         meta = {
             "step": self.step, "attempt": self.attempt, "tokens": self.tokens,
             "cursor": self.position.cursor,
