@@ -12,7 +12,8 @@
    pcache's planner and writer) uploaded to the S3 server marker last, and `pcache status` before and
    after.
 5. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
-   8-64 tokens) answered by that checkpoint, a few answers shown.
+   8-64 tokens) and 2 chat requests (through the checkpoint's Ling chat template) answered by that
+   checkpoint, a few answers shown.
 6. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
    verdict) and `timer export` (a Perfetto timeline).
 """
@@ -104,6 +105,12 @@ def flood(checkpoint: Path, run: Path) -> None:
                     "temperature": 0 if i % 2 == 0 else 0.7, "seed": i}
             f.write(json.dumps({"custom_id": f"req-{i:02d}", "method": "POST", "url": "/v1/completions",
                                 "body": body}) + "\n")
+        # Chat requests go through the checkpoint's own chat template (Ling's <role>HUMAN</role> format).
+        for i, question in enumerate(["Write a function that reverses a list.", "How do I read a file?"]):
+            body = {"model": "demo-small", "messages": [{"role": "system", "content": "You write Python."},
+                                                        {"role": "user", "content": question}], "max_tokens": 16}
+            f.write(json.dumps({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
     out = run / "flood-output.jsonl"
     for stale in (out, run / "flood-errors.jsonl", run / "flood-output.jsonl.manifest.json"):
         stale.unlink(missing_ok=True)
@@ -112,9 +119,11 @@ def flood(checkpoint: Path, run: Path) -> None:
     answers = {}
     for line in out.read_text().splitlines():
         r = json.loads(line)
-        answers[r["custom_id"]] = r["response"]["body"]["choices"][0]["text"]
+        choice = r["response"]["body"]["choices"][0]
+        answers[r["custom_id"]] = choice["message"]["content"] if "message" in choice else choice["text"]
     for cid in ("req-00", "req-01", "req-02"):
         print(f"{cid}: {starts[int(cid[-2:]) % len(starts)]!r} -> {answers[cid]!r}")
+    print(f"chat-0: 'Write a function that reverses a list.' -> {answers['chat-0']!r}")
 
 
 if __name__ == "__main__":
