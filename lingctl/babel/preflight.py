@@ -4,8 +4,8 @@ Both are created here, with one-line errors naming the directory (``/proc/...``,
 in the way), rather than deep inside the sync where an ``OSError`` would surface as an internal error.
 The state directory is also proven writable, so the journal cannot fail to open later.
 
-lingctl's default state location for S3 destinations (``$LINGCTL_CACHE_DIR`` or ``~/.cache/lingctl``,
-then ``babel/<hash>``) holds a journal whose names are joined to paths and whose sqlite file is written.
+lingctl's default state location (``$LINGCTL_CACHE_DIR`` or ``~/.cache/lingctl``, then ``babel/<hash>``;
+never inside a destination) holds a journal whose names are joined to paths and whose sqlite file is written.
 When that location lies in a place other users can write to (below ``/tmp``, ``/dev/shm``, a directory
 of mode 0777), the cache directory and every directory below it must be ours and private
 (``lingctl.core.private_dir``), or the sync is refused: another user could have created them first. Those
@@ -33,22 +33,17 @@ _WRITE_BY_OTHERS = 0o022
 def prepare(src: StoreURL, dst: StoreURL, state_dir: Path | None, *, dry_run: bool) -> Path | None:
     """Create the state directory and a local destination (nothing in a dry run); return the state
     directory to use. Nothing is created when the source is a missing local directory: the sync reports
-    that itself. A state directory apart from the destination is checked first, so a bad --state-dir
-    leaves no empty destination behind."""
+    that itself. The state directory is checked first, so a bad --state-dir leaves no empty destination
+    behind."""
     if not src.is_s3 and not os.path.isdir(src.path):
         return state_dir
     state = state_dir_for(dst, state_dir)
     hint = ("give --state-dir a directory you can write to" if state_dir is not None
             else "pass --state-dir DIR to keep the journal elsewhere")
-    inside_dst = state_dir is None and not dst.is_s3
-    # lingctl's own cache location (S3 destinations) is owner-checked where others can write.
-    default_cache = state_dir is None and dst.is_s3
-    if not inside_dst:
-        _prepare_state(state, hint, check_shared=default_cache, dry_run=dry_run)
+    # lingctl's own cache location is owner-checked where others can write.
+    _prepare_state(state, hint, check_shared=state_dir is None, dry_run=dry_run)
     if not dst.is_s3 and not dry_run:
         _mkdirs(dst.path, "the destination directory", hint="choose a destination you can write to")
-    if inside_dst:
-        _prepare_state(state, hint, check_shared=False, dry_run=dry_run)
     return state
 
 

@@ -2,8 +2,10 @@
 
 list destination (parallel, into an index) -> stream the source listing (parallel, in batches) -> for each
 source object decide copy/skip against the index and the journal -> copy on a thread pool while the
-listing continues -> verify each copy -> copy the --commit-last objects -> delete (only with --delete,
-never more than --max-delete, never after a failed copy).
+listing continues -> verify each copy -> copy the --commit-last objects -> delete (only with
+``SyncOptions.delete``, as ``babel sync`` sets it; never more than --max-delete, never after a failed copy,
+never from an S3 source prefix with nothing under it). ``SyncOptions.objects`` copies named objects (a
+single-file source) instead of listing trees.
 
 Skipping needs no request per object: the journal remembers what babel wrote (size, source mtime, CRC,
 destination etag), so an unchanged tree re-syncs from the two listings alone.
@@ -21,23 +23,30 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lingctl.babel.bwlimit import TokenBucket
 from lingctl.babel.filters import KeyFilter
 from lingctl.babel.index import ListingIndex
 from lingctl.babel.journal import Done, Journal
-from lingctl.babel.listing import ListStats, list_tree
+from lingctl.babel.listing import Listed, ListStats, list_tree
 from lingctl.babel.sampling import DEFAULT_SAMPLES
-from lingctl.babel.sides import LocalSide, Side, open_side
-from lingctl.babel.throttle import Aimd
+from lingctl.babel.single import RenamedKeys
 from lingctl.babel.transfer import Item, check_copy, copy_object, crc_of
 from lingctl.core.atomic import sweep_stale
-from lingctl.core.errors import DiskFullError, LingctlError, RetryableError, UsageError, VerificationError
-from lingctl.core.storage import S3Options, StoreURL
+from lingctl.core.errors import (
+    DiskFullError,
+    LingctlError,
+    NotFoundError,
+    RetryableError,
+    UsageError,
+    VerificationError,
+)
+from lingctl.core.storage import Aimd, ObjectInfo, ObjectStore, S3Options, StoreURL, open_store
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +55,15 @@ MTIME_TOLERANCE = 1e-3
 
 
 def state_dir_for(dst: StoreURL, explicit: Path | None) -> Path:
-    """Where the journal lives: --state-dir, else inside a local destination, else a per-destination cache."""
+    """Where the journal lives: --state-dir, else a per-destination directory in lingctl's cache, never
+    inside the destination (a user's tree holds only the user's files). Local destinations are named by
+    their real path, so ``./dst`` and ``/abs/dst`` share one journal. Older runs kept it in
+    ``DST/.lingctl-babel/``: that directory is still never listed, copied or deleted, and may be removed."""
     if explicit is not None:
         return Path(explicit)
-    if not dst.is_s3:
-        return dst.path / STATE_DIR_NAME
+    name = str(dst) if dst.is_s3 else "file://" + os.path.realpath(os.path.abspath(dst.path))
     base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
-    return base / "babel" / hashlib.sha256(str(dst).encode()).hexdigest()[:16]
+    return base / "babel" / hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,6 +81,10 @@ class SyncOptions:
     shard: tuple[int, int] = (0, 1)
     commit_last: str | None = None
     state_dir: Path | None = None
+    # Only these source keys, each copied to its destination key (a single-file source, rclone's copyto);
+    # nothing is listed on either side, and nothing is deleted. None: the whole tree.
+    objects: dict[str, str] | None = None
+    limiter: TokenBucket | None = None  # --bwlimit: charged with the bytes of every copy
 
     def validate(self) -> None:
         if self.jobs < 1:
@@ -78,6 +93,8 @@ class SyncOptions:
             raise UsageError(f"--verify must be none, sampled or full, got {self.verify!r}")
         if self.max_delete is not None and self.max_delete < 0:
             raise UsageError(f"--max-delete must be >= 0, got {self.max_delete}")
+        if self.objects is not None and self.delete:
+            raise UsageError("deleting is for whole trees; a copy of single objects never deletes")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +112,7 @@ class SyncResult:
     verify_mode: str = "sampled"
     failed: list[dict[str, str]] = field(default_factory=list)
     would_copy: list[str] = field(default_factory=list)
+    would_copy_bytes: int = 0
     would_delete: list[str] = field(default_factory=list)
     deletes_skipped: str | None = None
     list_requests: int = 0
@@ -137,7 +155,8 @@ class SyncResult:
                               hint="run the same command again: finished objects and parts are kept")
 
 
-Progress = Callable[[str, int], None]  # ("listed" | "queued" | "copied" | "bytes", amount)
+# ("listed" | "checked" | "queued" | "copied" | "bytes" | "failed", amount); called from many threads
+Progress = Callable[[str, int], None]
 
 
 class Syncer:
@@ -147,8 +166,8 @@ class Syncer:
         self.src_url, self.dst_url, self.s3, self.opts = src_url, dst_url, s3, opts
         self.progress = progress or (lambda kind, n: None)
         self.gate = Aimd(opts.jobs)
-        self.src: Side = open_side(src_url, s3, self.gate)
-        self.dst: Side = open_side(dst_url, s3, self.gate)
+        self.src: ObjectStore = open_store(src_url, s3, gate=self.gate)
+        self.dst: ObjectStore = open_store(dst_url, s3, gate=self.gate)
         self.filter = KeyFilter(list(opts.include), list(opts.exclude), opts.shard)
         self.result = SyncResult(source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run,
                                  verify_mode=opts.verify)
@@ -161,9 +180,9 @@ class Syncer:
         start = time.monotonic()
         opts = self.opts
         self.src.check()
-        if isinstance(self.dst, LocalSide):
+        if self.dst.local_root is not None:
             if not opts.dry_run:
-                self.dst.root.mkdir(parents=True, exist_ok=True)
+                self.dst.local_root.mkdir(parents=True, exist_ok=True)
         else:
             self.dst.check()
         state = state_dir_for(self.dst_url, opts.state_dir)
@@ -177,9 +196,9 @@ class Syncer:
             except LingctlError:
                 self.journal.close()
                 raise
-            if unfinished and isinstance(self.dst, LocalSide):
+            if unfinished and self.dst.local_root is not None:
                 # Only after a run that did not end: a walk of the whole destination is not free.
-                removed = sweep_stale(self.dst.root, skip_dirs={STATE_DIR_NAME})
+                removed = sweep_stale(self.dst.local_root, skip_dirs={STATE_DIR_NAME})
                 self.result.removed_temp_files = len(removed)
                 if removed:
                     log.info("removed %d temporary file(s) left by an earlier run", len(removed))
@@ -188,7 +207,9 @@ class Syncer:
         ended = False
         try:
             stats = ListStats()
-            if not isinstance(self.dst, LocalSide) or self.dst.root.is_dir():
+            if opts.objects is not None:  # single objects: look at their destinations alone, list nothing
+                index.add_many(self._versions(self.dst, opts.objects.values()))
+            elif self.dst.local_root is None or self.dst.local_root.is_dir():
                 for batch in list_tree(self.dst_url, self.s3, jobs=opts.jobs, stats=stats,
                                        skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable):
                     index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
@@ -200,10 +221,10 @@ class Syncer:
                 self._parts = parts
                 window = threading.BoundedSemaphore(opts.jobs * 4)  # listing runs ahead of copying, not unbounded
                 futures: list[Future[Any]] = []
-                for batch in list_tree(self.src_url, self.s3, jobs=opts.jobs, stats=stats,
-                                       skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable):
+                for batch in self._source_batches(stats):
                     self.result.listed_source += len(batch)
                     self.progress("listed", len(batch))
+                    checked = 0
                     if src_seen is not None:
                         src_seen.add_many((e.key, e.size, e.mtime, None) for e in batch)
                     if self._fatal is not None:
@@ -211,12 +232,14 @@ class Syncer:
                     for e in batch:
                         if not self.filter(e.key):
                             continue
+                        checked += 1
                         item = Item(e.key, e.size, e.mtime, e.etag)
                         if not self._needs_copy(item, index.get(e.key)):
                             self.result.skipped += 1
                             continue
                         if opts.dry_run:
                             self.result.would_copy.append(e.key)
+                            self.result.would_copy_bytes += e.size
                             continue
                         if opts.commit_last and self._is_commit_last(e.key):
                             deferred.append(item)
@@ -228,6 +251,7 @@ class Syncer:
                         futures.append(fut)
                         if len(futures) > 8 * opts.jobs:
                             futures = self._reap(futures)  # a huge sync must not keep a future per object
+                    self.progress("checked", checked)
                 for fut in futures:
                     fut.result()
                 if deferred and self._fatal is None:
@@ -242,6 +266,11 @@ class Syncer:
             if self._fatal is not None:
                 raise self._fatal
             self.result.list_requests = stats.requests
+            if opts.delete and not self.result.listed_source and self.src_url.is_s3 and self.src_url.prefix:
+                # S3 has no directories: an empty prefix is most likely a typo, and a sync from it would empty
+                # the destination. rclone refuses it the same way ("directory not found").
+                raise NotFoundError(f"{self.src_url}: no objects under this prefix (directory not found); "
+                                    "nothing was deleted", hint="check the source URL")
             if opts.delete:
                 assert src_seen is not None
                 self._delete(index, src_seen)
@@ -266,6 +295,32 @@ class Syncer:
         self.result.seconds = round(time.monotonic() - start, 3)
         return self.result
 
+    def _source_batches(self, stats: ListStats) -> Iterator[list[Listed]]:
+        """The source listing in batches; for single objects, one batch of them under their destination
+        keys, read through a view of the source that maps those keys back (rclone's copyto)."""
+        names = self.opts.objects
+        if names is None:
+            return list_tree(self.src_url, self.s3, jobs=self.opts.jobs, stats=stats,
+                             skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable)
+        renamed = {d: s for s, d in names.items() if d != s}
+        if renamed:
+            self.src = RenamedKeys(self.src, renamed)  # type: ignore[assignment]
+        versions = self._versions(self.src, names.values())
+        missing = [s for s, d in names.items() if d not in {v[0] for v in versions}]
+        if missing:
+            raise NotFoundError(f"{self.src_url.join(missing[0])}: no such file or object")
+        return iter([[Listed(key, size, mtime, etag) for key, size, mtime, etag in versions]])
+
+    @staticmethod
+    def _versions(side: ObjectStore, keys: Iterable[str]) -> list[tuple[str, int, float, str | None]]:
+        """(key, size, mtime, etag) of each key that exists, exactly as a listing would show it."""
+        found = []
+        for key in keys:
+            v = side.version(key)
+            if v is not None:
+                found.append((key, v.size, v.mtime, v.etag))
+        return found
+
     @staticmethod
     def _reap(futures: list[Future[Any]]) -> list[Future[Any]]:
         """Drop finished futures, re-raising any unexpected error (expected ones are recorded by _copy)."""
@@ -289,17 +344,17 @@ class Syncer:
         if self.opts.checksum:
             return self._checksums_differ(item, rec, dst)
         if rec is not None and rec.size == item.size and abs(rec.src_mtime - item.mtime) < MTIME_TOLERANCE:
-            if isinstance(self.dst, LocalSide):
+            if self.dst.keeps_mtime:
                 return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
             # The object babel wrote is still there (same etag): no request needed to know it is current.
             if rec.dst_etag is None or dst[2] is None or rec.dst_etag.strip('"') == dst[2].strip('"'):
                 return False
-        if isinstance(self.dst, LocalSide):
+        if self.dst.keeps_mtime:  # the listing shows the mtime babel set; other stores record it in metadata
             return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
         head = self._head(self.dst, item.key)  # written by another tool or before the journal: ask once
         return head is None or abs(head.mtime - item.mtime) >= MTIME_TOLERANCE
 
-    def _head(self, side: Side, key: str):  # type: ignore[no-untyped-def]
+    def _head(self, side: ObjectStore, key: str) -> ObjectInfo | None:
         with self._lock:
             self._heads += 1
         return side.head(key)
@@ -317,15 +372,15 @@ class Syncer:
         """Whether the destination object is still the one babel wrote (so the journal's CRC is its CRC)."""
         if rec.size != dst[0]:
             return False
-        if isinstance(self.dst, LocalSide):
+        if self.dst.keeps_mtime:
             return abs(dst[1] - rec.src_mtime) < MTIME_TOLERANCE
         return rec.dst_etag is not None and dst[2] is not None and rec.dst_etag.strip('"') == dst[2].strip('"')
 
-    def _crc(self, side: Side, item: Item) -> str | None:
-        if isinstance(side, LocalSide):
+    def _crc(self, side: ObjectStore, item: Item) -> str | None:
+        if not side.records_checksums:  # computed from the bytes (a local file)
             return crc_of(side, item.key, item.size).tagged()
         head = self._head(side, item.key)
-        return head.crc if head is not None else None
+        return head.checksum if head is not None else None
 
     # -- doing ----------------------------------------------------------------------------------------
     def _copy(self, item: Item) -> None:
@@ -352,14 +407,22 @@ class Syncer:
                 self.result.failed.append({"key": item.key, "error": str(exc),
                                            "kind": "verify" if exc.exit_code == 4 else
                                            ("retryable" if exc.retryable else "error")})
+            self.progress("failed", 1)
             return
         with self._lock:
             self.result.copied += 1
             self.result.copied_bytes += item.size
             if self.opts.verify != "none":
                 self.result.verified += 1
+        self._moved(item.size)
         self.progress("copied", 1)
-        self.progress("bytes", item.size)
+
+    def _moved(self, n: int) -> None:
+        """``n`` more bytes of a copy went through: held back to ``--bwlimit``, then counted for progress.
+        Called once per object after its copy; finer calls (per part) pace large objects as well."""
+        if self.opts.limiter is not None:
+            self.opts.limiter.take(n)
+        self.progress("bytes", n)
 
     def _unreadable(self, path: str, err: LingctlError) -> None:
         """A directory either listing could not read: the rest goes on, the run fails (exit 1), and since
@@ -367,6 +430,7 @@ class Syncer:
         log.warning("%s", err)
         with self._lock:
             self.result.failed.append({"key": path, "error": f"could not be listed: {err}", "kind": "error"})
+        self.progress("failed", 1)
 
     def _count_resumed(self, n: int) -> None:
         with self._lock:

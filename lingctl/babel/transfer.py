@@ -1,11 +1,11 @@
-"""Copying one object between two sides, with its CRC64NVME computed on the way, and checking it after.
+"""Copying one object between two stores, with its CRC64NVME computed on the way, and checking it after.
 
 Small objects go in one request. Larger ones are cut into parts whose size adapts to the object (at most
 ``MAX_PARTS`` parts), read and written in parallel; the part CRCs are combined into the full-object CRC
 (CRC combination, so parts need not be hashed in order). On an S3 destination the journal records each
 finished part, so a re-run continues a half-done upload instead of starting it again.
 
-Every read of one copy is pinned to the source version that was listed (``sides.Version``), so a source
+Every read of one copy is pinned to the source version that was listed (``core.storage.Version``), so a source
 overwritten during the copy never yields a mix of two versions: the copy starts again from the new version,
 at most ``SOURCE_ATTEMPTS`` times. A multipart upload the server has forgotten (restarted, or aborted by a
 lifecycle rule) is started again under a new id, at most ``UPLOAD_ATTEMPTS`` times.
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from lingctl.babel.journal import Done, Journal, Upload
 from lingctl.babel.sampling import sample_ranges
-from lingctl.babel.sides import Side, SourceChangedError, UploadGoneError, Version
 from lingctl.core.checksum import Crc64, crc64_bytes
-from lingctl.core.errors import RetryableError, VerificationError
+from lingctl.core.errors import RetryableError, UsageError, VerificationError
+from lingctl.core.storage import MultipartUploads, ObjectStore, SourceChangedError, UploadGoneError, Version
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Item:
 Notify = Callable[[int], None]
 
 
-def copy_object(src: Side, dst: Side, item: Item, *, journal: Journal, part_size: int | None,
+def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Journal, part_size: int | None,
                 parts_pool: ThreadPoolExecutor, on_resumed: Notify | None = None,
                 on_restart: Notify | None = None) -> tuple[Item, Done]:
     """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
@@ -82,7 +82,7 @@ def copy_object(src: Side, dst: Side, item: Item, *, journal: Journal, part_size
     raise AssertionError("unreachable")
 
 
-def _copy_version(src: Side, dst: Side, item: Item, journal: Journal, part_size: int | None,
+def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journal, part_size: int | None,
                   pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None) -> Done:
     psize = part_size_for(item.size, part_size)
     if item.size <= psize:
@@ -90,11 +90,14 @@ def _copy_version(src: Side, dst: Side, item: Item, journal: Journal, part_size:
         if len(data) != item.size:
             raise SourceChangedError(f"{item.key}: {len(data)} bytes read, {item.size} listed")
         crc = crc64_bytes(data)
-        etag, dst_mtime = dst.put(item.key, data, crc, item.mtime)
-        return Done(item.size, item.mtime, crc.tagged(), etag, dst_mtime)
+        written = dst.write(item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc)
+        return Done(item.size, item.mtime, crc.tagged(), written.etag, written.mtime)
+    uploads = dst.multipart
+    if uploads is None:
+        raise UsageError(f"{dst.describe()} cannot take objects in parts; {item.key} needs {psize}-byte parts")
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
-            return _copy_multipart(src, dst, item, psize, journal, pool, on_resumed)
+            return _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed)
         except UploadGoneError as exc:
             # Forget the dead id (its parts went with it) so this attempt, or the next run, starts a new one.
             journal.end_upload(item.key, None)
@@ -106,15 +109,16 @@ def _copy_version(src: Side, dst: Side, item: Item, journal: Journal, part_size:
     raise AssertionError("unreachable")
 
 
-def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journal,
-                    pool: ThreadPoolExecutor, on_resumed: Notify | None) -> Done:
+def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUploads, item: Item, psize: int,
+                    journal: Journal, pool: ThreadPoolExecutor, on_resumed: Notify | None) -> Done:
     key = item.key
     pin = item.version
     count = math.ceil(item.size / psize)
     # The source's own full CRC, when it has one, is recorded with the new object from the start (multipart
     # metadata cannot be added later) and checked against the parts' combined CRC before completing.
     expected = _recorded_crc(src, item)
-    upload = journal.upload(key) if dst.resumable_uploads else None
+    resumable = uploads.resumable
+    upload = journal.upload(key) if resumable else None
     finished: dict[int, tuple[str, int, int]] = {}
     if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == \
             (item.size, item.mtime, psize, item.etag):
@@ -124,9 +128,9 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
             on_resumed(len(finished))
     else:
         if upload is not None:  # the source changed since: that upload cannot be continued
-            dst.abort(key, upload.upload_id)
-        upload_id = dst.create_upload(key, item.size, item.mtime, expected)
-        if dst.resumable_uploads:
+            uploads.abort(key, upload.upload_id)
+        upload_id = uploads.create(key, item.size, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=expected)
+        if resumable:
             journal.start_upload(key, Upload(upload_id, item.size, item.mtime, psize, item.etag))
 
     def one(number: int) -> tuple[int, str, Crc64]:
@@ -136,8 +140,8 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
         if len(data) != length:
             raise RetryableError(f"{key}: short read of part {number} ({len(data)} of {length} bytes)")
         crc = crc64_bytes(data)
-        etag = dst.put_part(key, upload_id, number, offset, data)
-        if dst.resumable_uploads:
+        etag = uploads.put_part(key, upload_id, number, offset, data)
+        if resumable:
             journal.add_part(key, upload_id, number, etag, crc.value, crc.length)
         return number, etag, crc
 
@@ -147,30 +151,30 @@ def _copy_multipart(src: Side, dst: Side, item: Item, psize: int, journal: Journ
         for number, etag, crc in pool.map(one, todo):
             results[number] = (etag, crc)
     except BaseException as exc:
-        if not dst.resumable_uploads:
-            dst.abort(key, upload_id)  # a local temporary file is not worth keeping
+        if not resumable:
+            uploads.abort(key, upload_id)  # a local temporary file is not worth keeping
         elif isinstance(exc, SourceChangedError):
-            dst.abort(key, upload_id)  # its parts are of a version that no longer exists
+            uploads.abort(key, upload_id)  # its parts are of a version that no longer exists
             journal.end_upload(key, None)
         raise
     total = Crc64()
     for n in range(1, count + 1):
         total.extend(results[n][1])
     if expected is not None and total.tagged() != expected:
-        dst.abort(key, upload_id)
-        if dst.resumable_uploads:
+        uploads.abort(key, upload_id)
+        if resumable:
             journal.end_upload(key, None)
         raise RetryableError(f"{key}: the parts read add up to {total.tagged()}, but the source records "
                              f"{expected}; the source changed during the copy (nothing was completed)")
     try:
-        etag, dst_mtime = dst.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)],
-                                       item.mtime)
+        completed = uploads.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)],
+                                     mtime=item.mtime, mtime_ns=_exact_mtime(src, item))
     except BaseException:
-        if not dst.resumable_uploads:
-            dst.abort(key, upload_id)
+        if not resumable:
+            uploads.abort(key, upload_id)
         raise
-    done = Done(item.size, item.mtime, total.tagged(), etag, dst_mtime)
-    if dst.resumable_uploads:
+    done = Done(item.size, item.mtime, total.tagged(), completed.etag, completed.mtime)
+    if resumable:
         journal.end_upload(key, done)
     return done
 
@@ -181,17 +185,24 @@ RANGE_THREADS = 4
 FULL_CHUNK = 8 * MiB
 
 
-def _recorded_crc(src: Side, item: Item) -> str | None:
+def _exact_mtime(src: ObjectStore, item: Item) -> int | None:
+    """The source's mtime to the nanosecond, where its store keeps one and it is the listed version's: what
+    the destination records, so that rclone, which compares nanoseconds, sees the copy as up to date."""
+    ns = src.mtime_ns(item.key)
+    return ns if ns is not None and abs(ns / 1e9 - item.mtime) < 1e-6 else None
+
+
+def _recorded_crc(src: ObjectStore, item: Item) -> str | None:
     """The source's recorded full CRC, if it has one, of the pinned version only."""
     if item.etag is None:
-        return src.crc_tag(item.key)
+        return src.checksum(item.key)
     head = src.head(item.key)  # the HEAD that carries the CRC must describe the version being copied
     if head is None or head.etag != item.etag or head.size != item.size:
         raise SourceChangedError(f"{item.key}: the object was overwritten or removed before the copy")
-    return head.crc
+    return head.checksum
 
 
-def _range_crcs(side: Side, key: str, ranges: list[tuple[int, int]], pin: Version | None = None) -> list[Crc64]:
+def _range_crcs(side: ObjectStore, key: str, ranges: list[tuple[int, int]], pin: Version | None = None) -> list[Crc64]:
     def one(r: tuple[int, int]) -> Crc64:
         return crc64_bytes(side.read(key, r[0], r[1], pin=pin))
 
@@ -201,7 +212,7 @@ def _range_crcs(side: Side, key: str, ranges: list[tuple[int, int]], pin: Versio
         return list(pool.map(one, ranges))
 
 
-def crc_of(side: Side, key: str, size: int, pin: Version | None = None) -> Crc64:
+def crc_of(side: ObjectStore, key: str, size: int, pin: Version | None = None) -> Crc64:
     """The whole object's CRC64NVME, its chunks read in parallel and combined in order."""
     total = Crc64()
     ranges = [(o, min(FULL_CHUNK, size - o)) for o in range(0, size, FULL_CHUNK)]
@@ -210,7 +221,7 @@ def crc_of(side: Side, key: str, size: int, pin: Version | None = None) -> Crc64
     return total
 
 
-def compare(src: Side, dst: Side, key: str, size: int, mode: str, *, samples: int,
+def compare(src: ObjectStore, dst: ObjectStore, key: str, size: int, mode: str, *, samples: int,
             expected: str | None = None, pin: Version | None = None) -> tuple[str, str] | None:
     """None when the two sides agree, else (source detail, destination detail). ``sampled`` compares the
     CRCs of the same deterministic ranges on both sides; ``full`` the whole-object CRCs. Source reads are
@@ -228,7 +239,7 @@ def compare(src: Side, dst: Side, key: str, size: int, mode: str, *, samples: in
     return None
 
 
-def check_copy(src: Side, dst: Side, item: Item, done: Done, mode: str, samples: int) -> None:
+def check_copy(src: ObjectStore, dst: ObjectStore, item: Item, done: Done, mode: str, samples: int) -> None:
     """Compare the destination with the version of the source that was copied. ``full``: the destination's
     bytes, read back, against ``done.crc``, the CRC of source bytes that all came from ``item``'s version
     (pinned reads; multipart copies also matched the source's recorded CRC of that version). ``sampled``:

@@ -16,12 +16,10 @@ from lingctl.babel.filters import KeyFilter
 from lingctl.babel.index import ListingIndex
 from lingctl.babel.listing import ListStats, list_tree
 from lingctl.babel.sampling import DEFAULT_SAMPLES, sample_ranges
-from lingctl.babel.sides import open_side
 from lingctl.babel.sync import STATE_DIR_NAME
-from lingctl.babel.throttle import Aimd
 from lingctl.babel.transfer import compare
 from lingctl.core.errors import UsageError
-from lingctl.core.storage import S3Options, StoreURL
+from lingctl.core.storage import Aimd, S3Options, StoreURL, open_store
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,7 +44,7 @@ def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "
         raise UsageError(f"--mode must be meta, sampled or full, got {mode!r}")
     start = time.monotonic()
     gate = Aimd(jobs)
-    src, dst = open_side(src_url, s3, gate), open_side(dst_url, s3, gate)
+    src, dst = open_store(src_url, s3, gate=gate), open_store(dst_url, s3, gate=gate)
     src.check()
     dst.check()
     keep = key_filter or KeyFilter()

@@ -16,7 +16,6 @@ import os
 import re
 import socket
 import stat
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -120,26 +119,63 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def create_tmp(target: Path) -> tuple[Path, int]:
+    """A new temporary file beside ``target`` (its directory created), open for writing: (path, fd).
+
+    Created with mode 0666 less the umask, as the finished file should be; ``mkstemp``'s 0600 would leave
+    every copied file private."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(16):
+            tmp = tmp_path(target)
+            try:
+                return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free temporary name beside {target}")
+    except OSError as exc:
+        raise os_error(exc, str(target)) from exc
+
+
+def set_mtime(path: Path, mtime: float | None, mtime_ns: int | None = None) -> None:
+    """Give ``path`` the modification time ``mtime_ns`` (exact) or ``mtime``; neither: leave it."""
+    if mtime_ns is not None:
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+    elif mtime is not None:
+        os.utime(path, (mtime, mtime))
+
+
+def commit_tmp(tmp: Path, target: Path, *, mtime: float | None = None, mtime_ns: int | None = None) -> None:
+    """Finish an atomic write: fsync the temporary file, give it ``mtime``, rename it over ``target``, and
+    make the rename durable. The caller removes ``tmp`` if this raises."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    set_mtime(tmp, mtime, mtime_ns)  # size + mtime equal to the source is how a re-sync skips it
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
 @contextmanager
-def atomic_write(path: Path) -> Iterator[tuple[Path, BinaryIO]]:
-    """Yield ``(tmp_path, file)``; on clean exit the file replaces ``path``, on an exception it is removed.
+def atomic_write(path: Path, *, mtime: float | None = None,
+                 mtime_ns: int | None = None) -> Iterator[tuple[Path, BinaryIO]]:
+    """Yield ``(tmp_path, file)``; on clean exit the file replaces ``path`` (with ``mtime``, when given), on
+    an exception it is removed.
 
     Raising inside the block (a failed verification, a broken connection, a full disk) leaves ``path``
     untouched and no temporary file behind.
     """
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
-    except OSError as exc:
-        raise os_error(exc, str(path.parent)) from exc
-    tmp = Path(name)
+    tmp, fd = create_tmp(path)
     done = False
     try:
         with os.fdopen(fd, "wb") as f:
             yield tmp, f
             f.flush()
             os.fsync(f.fileno())
+        set_mtime(tmp, mtime, mtime_ns)
         os.replace(tmp, path)
         done = True
         fsync_dir(path.parent)

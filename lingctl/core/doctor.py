@@ -23,7 +23,7 @@ from lingctl.core.checksum import crc64_bytes
 from lingctl.core.errors import AccessDeniedError, LingctlError, UsageError, VerificationError
 from lingctl.core.local_s3 import find_rclone
 from lingctl.core.storage import ObjectStore, S3Options, open_store
-from lingctl.core.storage.s3 import make_client, translate
+from lingctl.core.storage.s3 import list_buckets
 from lingctl.core.storage.url import redact_url
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -193,17 +193,15 @@ def check_s3_endpoint(options: S3Options) -> Check:
             creds = boto3.session.Session(profile_name=options.profile).get_credentials()
         except botocore.exceptions.ProfileNotFound:
             raise UsageError(f"AWS profile {options.profile!r} not found") from None
-        client = make_client(options, unsigned=creds is None)
         start = time.perf_counter()
         try:
-            buckets = client.list_buckets().get("Buckets", [])
-        except botocore.exceptions.ClientError as exc:
-            if creds is None:  # the endpoint answered, and refused an anonymous request
+            buckets = list_buckets(options, unsigned=creds is None)
+        except LingctlError as exc:
+            if creds is None and isinstance(exc.__cause__, botocore.exceptions.ClientError):
+                # The endpoint answered, and refused an anonymous request.
                 raise AccessDeniedError(f"no S3 credentials found for {where}",
                                         hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from exc
-            raise translate(exc, "ListBuckets", shown, options.max_attempts) from exc
-        except Exception as exc:
-            raise translate(exc, "ListBuckets", shown, options.max_attempts) from exc
+            raise
         ms = (time.perf_counter() - start) * 1000
     except LingctlError as err:
         return _failed("s3", err)

@@ -7,9 +7,11 @@ once every listed file is there with the right size (and, where the store record
 reader that finds the marker remotely finds a whole checkpoint. Transfers go through babel's ``Syncer``
 (multipart, retries, verification, a journal that lets a re-run continue where an interrupted one stopped).
 
-Progress is recorded beside the checkpoint, in ``<parent>/.pcache/<name>/``: one small JSON file per
+Progress is recorded in lingctl's cache directory (``tier_status.state_dir``: ``$LINGCTL_CACHE_DIR`` or
+``~/.cache/lingctl``, then ``pcache/state/<hash of the checkpoint's path>/``): one small JSON file per
 uploading process (ranks on one node upload at the same time) and babel's journals. Nothing is written
-inside the checkpoint directory itself, which is what gets uploaded.
+inside or beside the checkpoint directory, so neither an upload nor a later sync of the run directory
+carries tool state. Progress that older releases recorded in ``<parent>/.pcache/<name>/`` is still read.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.babel.sync import SyncOptions, Syncer, SyncResult
-from lingctl.core.atomic import TMP_MARKER, atomic_write
+from lingctl.core.atomic import TMP_MARKER, atomic_write, tmp_path
 from lingctl.core.checksum import crc64_file
-from lingctl.core.errors import LingctlError, NotFoundError, RetryableError, UsageError, VerificationError
+from lingctl.core.errors import LingctlError, NotFoundError, RetryableError, UsageError, VerificationError, os_error
 from lingctl.core.storage import S3Options, StoreURL, open_store, parse_url
 from lingctl.pcache.tier_status import (
     MARKER,
+    ensure_state_dir,
     METADATA,
     check_file_name,
     check_files,
@@ -45,7 +48,6 @@ from lingctl.pcache.tier_status import (
     recorded_remote,
     remote_problems,
     remote_sizes,
-    state_dir,
 )
 
 __all__ = ["MARKER", "UploadResult", "Uploader", "cache_path", "fetch", "read_marker", "recorded_remote",
@@ -205,7 +207,7 @@ def upload(local_dir: Path, remote_url: str, s3: S3Options | None = None, *, ran
     start = time.monotonic()
     result = UploadResult(local_dir=local_dir, remote=str(remote), rank=rank)
     tag = "all" if rank is None else f"rank{rank}"
-    journal = state_dir(local_dir) / f"journal-{tag}-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
+    journal = ensure_state_dir(local_dir) / f"journal-{tag}-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
     marker = read_marker(local_dir)
     if finalize and marker is None:  # refused before anything is recorded: the checkpoint stays "incomplete"
         raise VerificationError(f"{local_dir}: incomplete checkpoint (no {MARKER}), nothing to finalize",
@@ -393,27 +395,45 @@ def fetch(remote_url: str, local_dir: Path, s3: S3Options | None = None, *, jobs
                             hint="its upload may not have finished; check 'lingctl pcache status'") from None
     files = parse_marker(raw, f"{remote}/{MARKER}")["files"]
     stale = sorted(_bad_files(local_dir, files, files, "full"))
-    if stale:
-        # Until every file is right, the local directory must not look complete: marker first, then the rest.
-        (local_dir / MARKER).unlink(missing_ok=True)
-        for name in stale:
-            # Deleted, not overwritten in place: babel skips a file of the same size and mtime. The names
-            # were checked by parse_marker (one plain segment each); checked again where they are joined.
-            (local_dir / check_file_name(name, f"{remote}/{MARKER}: file")).unlink(missing_ok=True)
-        # babel's own check would compare against the bytes it just read; the marker's CRCs, checked next,
-        # are the ones the writer recorded, so they also catch an object damaged at the remote.
-        journal = state_dir(local_dir) / f"fetch-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
-        _sync(remote, parse_url(str(local_dir)), s3, stale, journal=journal, verify="none", jobs=jobs)
-        shutil.rmtree(journal, ignore_errors=True)
-        problems = _file_problems(local_dir, files, stale, "full")
-        if problems:
-            raise VerificationError(f"{remote}: fetched copy of {problems[0]}",
-                                    hint="the remote copy is damaged; upload it again from a verified local copy")
-    local_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_write(local_dir / MARKER) as (_, f):
-        f.write(raw)
+    aside: list[Path] = []
+    try:
+        if stale:
+            # Until every file is right, the local directory must not look complete: marker first, then the
+            # rest. Moved aside, not overwritten in place (babel skips a file of the same size and mtime),
+            # under lingctl's temporary names, which no listing shows; removed once the replacements are in,
+            # so a replacement is always a new file (a new inode), never the old one's reused number. The
+            # names were checked by parse_marker (one plain segment each); checked again where joined.
+            for name in [MARKER, *stale]:
+                _move_aside(local_dir / check_file_name(name, f"{remote}/{MARKER}: file"), aside)
+            # babel's own check would compare against the bytes it just read; the marker's CRCs, checked
+            # next, are the ones the writer recorded, so they also catch an object damaged at the remote.
+            journal = ensure_state_dir(local_dir) / f"fetch-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
+            _sync(remote, parse_url(str(local_dir)), s3, stale, journal=journal, verify="none", jobs=jobs)
+            shutil.rmtree(journal, ignore_errors=True)
+            problems = _file_problems(local_dir, files, stale, "full")
+            if problems:
+                raise VerificationError(f"{remote}: fetched copy of {problems[0]}",
+                                        hint="the remote copy is damaged; upload it again from a verified local copy")
+        local_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_write(local_dir / MARKER) as (_, f):
+            f.write(raw)
+    finally:
+        for path in aside:
+            path.unlink(missing_ok=True)
     log.info("fetched %d of %d file(s) of %s into %s", len(stale), len(files), remote, local_dir)
     return local_dir
+
+
+def _move_aside(path: Path, aside: list[Path]) -> None:
+    """Rename ``path`` (if present) to a temporary name beside it, recorded in ``aside``."""
+    tmp = tmp_path(path)
+    try:
+        os.rename(path, tmp)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise os_error(exc, str(path)) from exc
+    aside.append(tmp)
 
 
 def default_cache_dir() -> Path:

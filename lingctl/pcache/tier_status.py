@@ -17,6 +17,7 @@ States, in the order they are decided:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import TMP_MARKER, atomic_write
-from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
+from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError, os_error
 from lingctl.core.names import UnsafeNameError, check_relative, printable
+from lingctl.core.private_dir import ensure_private_dir
 from lingctl.core.storage import ObjectStore, S3Options, open_store, parse_url
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,9 @@ log = logging.getLogger(__name__)
 MARKER = "pcache.json"
 METADATA = ".metadata"
 FORMAT = "lingctl-pcache"
-STATE_DIR = ".pcache"
+STATE_DIR = ".pcache"  # where older releases kept progress, beside the checkpoint; read for compatibility
+# The state directory may be readable by others (it names checkpoints), never writable: see ensure_state_dir.
+_WRITE_BY_OTHERS = 0o022
 STATES = ("incomplete", "local-only", "uploading", "durable", "upload-failed", "unreadable")
 _DAMAGED = "the checkpoint is damaged; fetch it again or pick another step"
 MAX_DEPTH = 3  # how far below the given path checkpoints are looked for: <root>/<run>/<step>/... is typical
@@ -101,19 +105,48 @@ def read_marker(local_dir: Path) -> dict[str, Any] | None:
 # -- recorded progress --------------------------------------------------------------------------------------
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
+
+
 def state_dir(local_dir: Path) -> Path:
-    """Where progress of ``local_dir`` is recorded: beside it, so that it is never uploaded with it."""
+    """Where progress of ``local_dir`` is recorded: in lingctl's cache directory, keyed by the checkpoint's
+    real path, never beside or inside it (a run directory holds only what the run wrote, so a sync of it
+    copies no tool state)."""
+    real = os.path.realpath(os.path.abspath(local_dir))
+    return _cache_root() / "pcache" / "state" / hashlib.sha256(real.encode()).hexdigest()[:16]
+
+
+def ensure_state_dir(local_dir: Path) -> Path:
+    """``state_dir(local_dir)``, created: the cache directory and every directory below it must belong to
+    this user and be writable by nobody else (created 0700), since others could plant links in them."""
+    root = _cache_root()
+    state = state_dir(local_dir)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, str(root.parent)) from exc
+    chain = [root]
+    for part in state.relative_to(root).parts:
+        chain.append(chain[-1] / part)
+    for directory in chain:  # each one checked protects the next: nobody else can replace entries in it
+        ensure_private_dir(directory, deny=_WRITE_BY_OTHERS)
+    return state
+
+
+def _legacy_state_dir(local_dir: Path) -> Path:
+    """Where older releases recorded progress: ``<parent>/.pcache/<name>``; still read, never written."""
     local_dir = Path(local_dir).absolute()
     return local_dir.parent / STATE_DIR / local_dir.name
 
 
 def _state_path(local_dir: Path, rank: int | None) -> Path:
-    return state_dir(local_dir) / f"upload-{'all' if rank is None else f'rank{rank}'}.json"
+    return ensure_state_dir(local_dir) / f"upload-{'all' if rank is None else f'rank{rank}'}.json"
 
 
 def record(local_dir: Path, rank: int | None, remote: str, phase: str, **extra: Any) -> None:
     state = {"remote": remote, "rank": rank, "phase": phase, "pid": os.getpid(), "host": socket.gethostname(),
-             "updated_unix": time.time(), **extra}
+             "updated_unix": time.time(), "local_dir": str(Path(local_dir).absolute()), **extra}
     try:
         with atomic_write(_state_path(local_dir, rank)) as (_, f):
             f.write(json.dumps(state).encode())
@@ -124,7 +157,8 @@ def record(local_dir: Path, rank: int | None, remote: str, phase: str, **extra: 
 def records(local_dir: Path) -> list[dict[str, Any]]:
     """Every recorded upload of ``local_dir`` (one per uploading process), newest first."""
     out = []
-    for path in state_dir(local_dir).glob("upload-*.json"):
+    paths = [*state_dir(local_dir).glob("upload-*.json"), *_legacy_state_dir(local_dir).glob("upload-*.json")]
+    for path in paths:
         try:
             rec = json.loads(path.read_bytes())
         except (OSError, ValueError, RecursionError):
@@ -162,7 +196,7 @@ def remote_problems(store: ObjectStore, files: dict[str, dict], sizes: dict[str,
             problems.append(f"{name}: missing at the remote")
         elif have != want["size"]:
             problems.append(f"{name}: {have} bytes at the remote, expected {want['size']}")
-    if problems or not store.url.is_s3:
+    if problems or not store.records_checksums:
         return problems
     names = sorted(n for n, f in files.items() if f.get("crc64nvme"))
     with ThreadPoolExecutor(16, thread_name_prefix="pcache-head") as pool:

@@ -30,10 +30,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError, os_error
 from lingctl.core.names import check_relative, join_under
-from lingctl.core.storage import ObjectStore, S3Options, StoreURL, open_store, parse_url
+from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
 from lingctl.pcache import tier
 from lingctl.train.manifest import (
     CHECKPOINTS,
@@ -64,16 +63,23 @@ def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
 
 
 class RunDir:
+    """The run's files through the store interface: ``store`` is where the run lives (a ``LocalStore`` of
+    its directory, or the S3 store), ``staging`` the local directory it is written in first (the same
+    ``LocalStore`` for a local run, the staging copy for an s3:// run)."""
+
     def __init__(self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None,
                  adopt: bool = False) -> None:
         """``adopt``: the directory may already hold other files; lingctl adds its own beside them."""
         self.url = parse_url(url)
         self.s3 = s3 or S3Options()
         self.adopt = adopt
-        self.store: ObjectStore | None = open_store(self.url, s3) if self.url.is_s3 else None
-        self.local = staging_dir(self.url, cache_dir) if self.store is not None else self.url.path
+        self.store: ObjectStore = open_store(self.url, s3)
+        self.remote_run = self.url.is_s3
+        self.local = staging_dir(self.url, cache_dir) if self.remote_run else self.url.path
+        self.staging: ObjectStore = LocalStore(StoreURL("file", prefix=str(self.local))) if self.remote_run \
+            else self.store
         self.remote: StorePlace | None = None
-        if self.store is None:
+        if not self.remote_run:
             self.place = LocalPlace(self.local, hint=_FOREIGN_HINT)
         else:
             staging = f"it is the local staging copy of {self.url}: remove it, or pass another --cache-dir"
@@ -82,43 +88,28 @@ class RunDir:
         self._uploader: tier.Uploader | None = None
 
     def describe(self) -> str:
-        return str(self.url) if self.store is not None else str(self.local)
+        return str(self.url) if self.remote_run else str(self.local)
 
     def _places(self) -> list[OwnedPlace]:
         return [self.place] + ([self.remote] if self.remote is not None else [])
 
+    def _stores(self) -> list[ObjectStore]:
+        """Where the run's own files are written: the staging directory first, then the run's store."""
+        return [self.staging] + ([self.store] if self.store is not self.staging else [])
+
     # -- state of the run -------------------------------------------------------------------------
     def latest(self) -> dict[str, Any] | None:
         """The committed checkpoint pointer, or None when the run has no checkpoint yet."""
-        if self.store is not None:
-            if not self.store.exists(LATEST):
-                return None
-            raw = self.store.read(LATEST)
-        else:
-            path = self.local / LATEST
-            if not path.exists():
-                return None
-            raw = self._read_local(path)
-        return parse_latest(raw, f"{self.describe()}/{LATEST}")
+        if not self.store.exists(LATEST):
+            return None
+        return parse_latest(self.store.read(LATEST), f"{self.describe()}/{LATEST}")
 
     def read(self, name: str) -> bytes:
         """A file of the run (``name`` relative to it; checked, as names from markers are)."""
-        if self.store is not None:
-            return self.store.read(check_relative(name, what="run file"))
-        return self._read_local(join_under(self.local, name, what="run file"))
-
-    @staticmethod
-    def _read_local(path: Path) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise os_error(exc, str(path)) from exc
+        return self.store.read(check_relative(name, what="run file"))
 
     def has_content(self) -> bool:
-        names = (LATEST, METRICS)
-        if self.store is not None:
-            return any(self.store.exists(n) for n in names)
-        return any((self.local / n).exists() for n in names)
+        return any(self.store.exists(n) for n in (LATEST, METRICS))
 
     def check_fresh(self, *, restart: bool, last_step: int) -> None:
         """Before anything is written: refuse a directory (or prefix) that holds files lingctl did not write,
@@ -128,7 +119,7 @@ class RunDir:
             place.check(RUN_FILES, steps=(0, last_step))
 
     def prepare_fresh(self) -> None:
-        if self.store is not None:
+        if self.remote_run:
             self.store.check()
             self.place.open(adopt=self.adopt, resume=False)
             self.place.remove_owned()  # a stale staging of an earlier run at this URL: only what lingctl wrote
@@ -145,13 +136,13 @@ class RunDir:
         process writes the run's own files (the other workers only read, or fill their node's staging)."""
         rel = latest["path"]
         own = [LATEST, METRICS]
-        places = self._places() if main else ([self.place] if self.store is not None else [])
+        places = self._places() if main else ([self.place] if self.remote_run else [])
         for place in places:
             place.open(adopt=self.adopt, resume=True)
             place.check(own, steps=(latest["step"], last_step))
         if self.remote is not None and main:
             self.remote.claim(own)
-        if self.store is None:
+        if not self.remote_run:
             if not join_under(self.local, rel).is_dir():
                 raise NotFoundError(f"{LATEST} names {rel}, which is missing from {self.local}")
             if main:
@@ -182,7 +173,6 @@ class RunDir:
         state = ckpt / STATE_DIR
         if not state.is_dir() or tier.verify_local(state) or not (self.local / TOKENIZER).exists():
             return False
-        assert self.store is not None
         for obj in self.store.list(rel + "/"):
             if obj.key.startswith(f"{rel}/{STATE_DIR}/"):
                 continue
@@ -196,13 +186,13 @@ class RunDir:
         """List checkpoint ``rel`` as lingctl's before it is written; refuse if it exists and is not.
         ``main``: the process that writes the run's files; another node's first worker lists it only in its
         own staging directory (s3:// runs), where its share of the checkpoint lands."""
-        places = self._places() if main else ([self.place] if self.store is not None else [])
+        places = self._places() if main else ([self.place] if self.remote_run else [])
         for place in places:
             place.claim([rel])
 
     def publish(self, relpaths: list[str]) -> None:
         """Upload files (in order) from the staging directory; a no-op for local runs."""
-        if self.store is None:
+        if not self.remote_run:
             return
         for rel in relpaths:
             self.store.upload(rel, self.local / rel)
@@ -211,7 +201,7 @@ class RunDir:
         """Make checkpoint ``rel`` durable and then current. Local runs: commit now. s3:// runs: upload
         ``state/`` in the background (pcache's uploader, marker last), then ``files`` in order, then commit;
         training goes on meanwhile, and ``latest.json`` moves only once everything is in the store."""
-        if self.store is None:
+        if not self.remote_run:
             self.commit(step, rel)
             return
         if self._uploader is None:
@@ -232,10 +222,8 @@ class RunDir:
     def commit(self, step: int, path: str) -> None:
         """Make checkpoint ``path`` the one a resume starts from (after all its files are in place)."""
         data = json.dumps({"step": step, "path": path}).encode()
-        with atomic_write(self.local / LATEST) as (_, f):
-            f.write(data)
-        if self.store is not None:
-            self.store.write(LATEST, data)
+        for store in self._stores():
+            store.write(LATEST, data)
 
     def prune(self, keep: int, current: str) -> None:
         """Delete all but the newest ``keep`` checkpoints this run's manifests list (never the current one,

@@ -4,7 +4,7 @@ import pytest
 
 from lingctl.babel.filters import KeyFilter, glob_to_regex, parse_shard
 from lingctl.babel.index import ListingIndex
-from lingctl.babel.throttle import Aimd
+from lingctl.core.storage.retry import Aimd
 from lingctl.babel.transfer import MAX_PARTS, MiB, part_size_for
 from lingctl.core.errors import UsageError
 

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from lingctl.babel import s3_listing
 from lingctl.babel.listing import Listed, ListStats, list_tree
 from lingctl.core.atomic import TMP_MARKER, tmp_path as atomic_tmp_path
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
-from lingctl.core.storage import S3Options
+from lingctl.core.storage import S3Options, s3_listing
 from lingctl.core.storage.s3 import make_client
 from tests.support.fault_proxy import FaultProxy, every_nth_once, first_n
 

@@ -21,11 +21,11 @@ from urllib.parse import parse_qs
 import pytest
 
 from lingctl.babel.journal import Done, Journal
-from lingctl.babel.sides import LocalSide, SourceChangedError, Version
 from lingctl.babel.sync import SyncOptions, Syncer
 from lingctl.core.atomic import TMP_MARKER, host_tag
 from lingctl.core.errors import DiskFullError
-from lingctl.core.storage import S3Options, parse_url
+from lingctl.core.storage import LocalStore as LocalSide
+from lingctl.core.storage import S3Options, SourceChangedError, Version, parse_url
 from lingctl.core.storage.s3 import make_client
 from tests.babel.test_sync import babel, make_tree, read_tree, s3_tree
 from tests.support.fault_proxy import FaultProxy, FaultRequest
@@ -228,7 +228,7 @@ def test_temp_file_of_a_killed_download_is_removed_by_the_next_run(tmp_path, s3_
     user_file.write_text("keep me")
     with FaultProxy(s3_server.endpoint, rule=hold_later_parts) as proxy:
         env = {**cache_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        cmd = [sys.executable, "-m", "lingctl", "babel", "sync", f"s3://{s3_bucket}/k", str(dst), "--part-size",
+        cmd = [sys.executable, "-m", "lingctl", "babel", "copy", f"s3://{s3_bucket}/k", str(dst), "--part-size",
                "5MiB", "--jobs", "1", "--json"]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -241,7 +241,7 @@ def test_temp_file_of_a_killed_download_is_removed_by_the_next_run(tmp_path, s3_
             release.set()
     left = [p for p in _temp_files(dst) if p != user_file]
     assert len(left) == 1 and left[0].name.startswith(".big.bin" + TMP_MARKER)
-    res, doc = babel(lingctl, "sync", f"s3://{s3_bucket}/k", str(dst), env=cache_env)
+    res, doc = babel(lingctl, "copy", f"s3://{s3_bucket}/k", str(dst), env=cache_env)  # copy keeps the user's file
     assert res.returncode == 0, res.stderr
     assert doc["removed_temp_files"] == 1
     assert _temp_files(dst) == [user_file] and user_file.read_text() == "keep me"

@@ -3,6 +3,11 @@
 Like rclone's ``Fs``: a store is rooted at a URL and addresses objects by '/'-separated keys relative to
 that root. Listings come in key order (byte order of UTF-8, which is S3's order), so two listings can be
 merged in one pass. Writes are atomic: an object appears under its final key only once complete.
+
+Optional capabilities are attributes, never ``isinstance`` tests on a store class: ``multipart`` (uploads in
+numbered parts written at offsets, as rclone's chunk writer), ``keeps_mtime`` (a listing shows the mtime a
+write set), ``records_checksums`` (the store keeps each object's CRC, so asking costs no read of it) and
+``local_root`` (the directory of a local store, for housekeeping such as removing stale temporary files).
 """
 
 from __future__ import annotations
@@ -11,8 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lingctl.core.storage.url import StoreURL
+
+if TYPE_CHECKING:
+    from lingctl.core.checksum import Crc64
+    from lingctl.core.storage.crawl import Listed, ListStats, OnUnreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +35,55 @@ class ObjectInfo:
     is_dir: bool = False  # only in non-recursive listings: a common prefix / subdirectory
 
 
+@dataclass(frozen=True, slots=True)
+class Version:
+    """One version of an object, as listed: what every read of one copy must come from (``read(pin=)``)."""
+
+    size: int
+    mtime: float  # local st_mtime; S3 LastModified (not compared: one-second resolution in HEAD replies)
+    etag: str | None = None  # S3 only
+
+
+class MultipartUploads(ABC):
+    """Writing one object as numbered parts at known offsets, in any order and in parallel; the object
+    appears under its key only on ``complete`` (S3: CompleteMultipartUpload; local: a temporary file beside
+    the target, fsync, rename). ``resumable``: an upload outlives the process (S3), so a later run can send
+    only the parts that are missing, under the same id."""
+
+    resumable: bool = False
+
+    @abstractmethod
+    def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
+               crc: str | None = None) -> str:
+        """Start an upload of ``size`` bytes; returns its id. ``mtime`` (``mtime_ns`` when the source has it
+        to the nanosecond) and ``crc`` are recorded with the object."""
+
+    @abstractmethod
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+        """Write part ``number`` (1-based) at ``offset``; returns the part's tag for ``complete``.
+        ``UploadGoneError`` when the store no longer knows the upload."""
+
+    @abstractmethod
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
+                 mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
+        """Make the object visible; ``parts`` are (number, tag) in order. Returns its etag and store mtime."""
+
+    @abstractmethod
+    def abort(self, key: str, upload_id: str) -> None:
+        """Drop the upload and its parts; aborting one that is gone is not an error."""
+
+
 class ObjectStore(ABC):
     """A root directory or bucket prefix that holds objects by key."""
 
     url: StoreURL
+    multipart: MultipartUploads | None = None
+    keeps_mtime = False
+    records_checksums = False
+
+    @property
+    def local_root(self) -> Path | None:
+        return None
 
     @abstractmethod
     def describe(self) -> str:
@@ -47,16 +102,50 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
+    def walk(self, *, jobs: int = 16, stats: ListStats | None = None, skip_dirs: frozenset[str] = frozenset(),
+             on_unreadable: OnUnreadable | None = None) -> Iterator[list[Listed]]:
+        """Every object below the root, in batches, in no particular order, listed on ``jobs`` workers.
+
+        The root is checked at once; listing starts on the first ``next()``. Directories (or common
+        prefixes) named in ``skip_dirs`` are skipped at any depth. A part that cannot be read is passed to
+        ``on_unreadable`` (else ``UnreadableError`` after the last batch) and the rest is listed.
+        """
+
     def stat(self, key: str) -> ObjectInfo:
         """Size, mtime and (when known) checksum of ``key``; ``NotFoundError`` if absent."""
+        from lingctl.core.errors import NotFoundError
+
+        info = self.head(key)
+        if info is None:
+            raise NotFoundError(f"{key}: not found in {self.describe()}")
+        return info
 
     @abstractmethod
-    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes ``[offset, offset+length)`` of ``key`` (to its end when ``length`` is None)."""
+    def head(self, key: str) -> ObjectInfo | None:
+        """``stat`` that returns None for an absent object. The mtime is the source mtime recorded with the
+        object when there is one (see ``metadata``), else the store's own."""
 
     @abstractmethod
-    def write(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
-        """Store ``data`` under ``key`` atomically, recording its CRC64NVME."""
+    def version(self, key: str) -> Version | None:
+        """The object's current version exactly as a listing shows it (None if it is gone)."""
+
+    @abstractmethod
+    def read(self, key: str, offset: int = 0, length: int | None = None, *, pin: Version | None = None) -> bytes:
+        """Bytes ``[offset, offset+length)`` of ``key`` (to its end when ``length`` is None). With ``pin``,
+        ``SourceChangedError`` unless the bytes come from that version (S3: ``If-Match`` plus ETag and total
+        size checks, since some servers ignore ``If-Match``; local: size and mtime after the read)."""
+
+    @abstractmethod
+    def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
+              mtime_ns: int | None = None, crc: Crc64 | None = None) -> ObjectInfo:
+        """Store ``data`` under ``key`` atomically, recording its CRC64NVME (``crc`` when the caller has it)
+        and, given ``mtime``, the source's modification time (local: the file's mtime; S3: metadata).
+        ``mtime_ns``, when given, is the same time to the nanosecond (what rclone compares)."""
+
+    def mtime_ns(self, key: str) -> int | None:
+        """The object's modification time in nanoseconds where the store keeps it that exactly (local
+        files), else None. A float of seconds cannot carry nanoseconds: rclone compares them."""
+        return None
 
     @abstractmethod
     def upload(self, key: str, path: Path) -> ObjectInfo:
@@ -80,10 +169,4 @@ class ObjectStore(ABC):
         """Remove ``key``; removing an absent key is not an error (as on S3)."""
 
     def exists(self, key: str) -> bool:
-        from lingctl.core.errors import NotFoundError
-
-        try:
-            self.stat(key)
-        except NotFoundError:
-            return False
-        return True
+        return self.head(key) is not None

@@ -1,27 +1,23 @@
 """The S3 store (AWS S3 or any S3-compatible server), through boto3, imported only when used.
 
-Endpoint, credentials and region follow the standard AWS chain: ``--endpoint-url`` or ``AWS_ENDPOINT_URL``
-(``AWS_ENDPOINT_URL_S3``), ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
-``AWS_PROFILE`` and the shared config files. Secrets never appear in messages: errors name the endpoint,
-bucket and key only.
+Every request goes through one ``retry.Retrier`` and its AIMD gate (botocore's own retries are off, so the
+retrier sees every failure and can lower concurrency on throttling). Recursive listings are the signed,
+parallel lister of ``s3_listing``; everything else is a boto3 call. What is recorded with each object (the
+CRC64NVME, the source mtime in lingctl's and rclone's keys) is written and parsed by ``metadata``.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import atomic_write
-from lingctl.core.checksum import Crc64, crc64_bytes, crc64_file, tag_from_b64
+from lingctl.core.checksum import Crc64, crc64_bytes, crc64_file
 from lingctl.core.errors import (
-    AccessDeniedError,
     LingctlError,
     NotFoundError,
     RetryableError,
@@ -29,148 +25,42 @@ from lingctl.core.errors import (
     VerificationError,
     os_error,
 )
-from lingctl.core.storage.base import ObjectInfo, ObjectStore
-from lingctl.core.storage.url import StoreURL, check_endpoint_url, check_key
+from lingctl.core.storage.base import MultipartUploads, ObjectInfo, ObjectStore, Version
+from lingctl.core.storage.crawl import Crawl, Listed, ListStats, OnUnreadable
+from lingctl.core.storage.metadata import CHECKSUM_META, object_metadata, parse_reply
+from lingctl.core.storage.retry import Aimd, Retrier, SourceChangedError, UploadGoneError, response_code, \
+    response_status
+from lingctl.core.storage.s3_client import S3Options, make_client, translate
+from lingctl.core.storage.url import StoreURL, check_object_key
+
+__all__ = ["CHECKSUM_META", "S3Options", "S3Store", "list_buckets", "make_client", "translate"]
 
 log = logging.getLogger(__name__)
 
-# Object metadata that carries the CRC64NVME where the server keeps no checksum of its own (multipart
-# uploads on many S3-compatible servers). S3 lower-cases metadata names.
-CHECKSUM_META = "lingctl-crc64nvme"
 _MiB = 1 << 20
-_GiB = 1 << 30
+# Requests in flight per store when no gate is shared with it (babel passes one gate for all its stores).
+_DEFAULT_CONCURRENCY = 64
 
 
-@dataclass(kw_only=True, slots=True)
-class S3Options:
-    endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / AWS itself
-    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1
-    profile: str | None = None  # None: AWS_PROFILE / default
-    # Path-style addressing (http://host/bucket/key). None: on for custom endpoints, which rarely have
-    # wildcard DNS for virtual-host buckets, and off for AWS itself.
-    path_style: bool | None = None
-    max_attempts: int = 3  # botocore "standard" retries: throttling, 5xx and connection errors
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    # Files at least this large go up as multipart uploads with parts of part_size (S3: 5 MiB .. 5 GiB).
-    multipart_threshold: int = 64 * _MiB
-    part_size: int = 64 * _MiB
-
-    def resolved_endpoint(self) -> str | None:
-        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if not endpoint:
-            return None
-        # Validated and stripped of any user:password (never used: requests are signed), so no message or
-        # report built from it can leak one, whoever calls the library.
-        return check_endpoint_url(endpoint)
-
-    def validate(self) -> None:
-        if self.max_attempts < 1:
-            raise UsageError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if not (5 * _MiB <= self.part_size <= 5 * _GiB):
-            raise UsageError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), got {self.part_size}")
-        if self.multipart_threshold < 1:
-            raise UsageError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
+def _etag(reply: dict[str, Any]) -> str | None:
+    return (reply.get("ETag") or "").strip('"') or None
 
 
-def make_client(options: S3Options, *, unsigned: bool = False) -> Any:
-    """A boto3 S3 client for ``options``; raises ``UsageError`` for a bad endpoint, profile or region.
-
-    ``unsigned`` sends anonymous requests (public buckets, or checking that an endpoint answers at all)."""
-    options.validate()
-    import boto3
-    import botocore
-    import botocore.config
-    import botocore.exceptions
+def list_buckets(options: S3Options, *, unsigned: bool = False) -> list[str]:
+    """The names of the buckets the credentials can see (one ListBuckets, through the retry policy)."""
+    from lingctl.core.storage.url import redact_url
 
     endpoint = options.resolved_endpoint()
-    try:
-        session = boto3.session.Session(profile_name=options.profile)
-    except botocore.exceptions.ProfileNotFound:
-        raise UsageError(f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE") from None
-    region = options.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
-    path_style = options.path_style if options.path_style is not None else endpoint is not None
-    config = botocore.config.Config(
-        region_name=region,
-        s3={"addressing_style": "path" if path_style else "auto"},
-        # total_max_attempts counts the first try; botocore's max_attempts would count only the retries.
-        retries={"total_max_attempts": options.max_attempts, "mode": "standard"},
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        # We compute and send CRC64NVME ourselves. "when_required" on responses: several S3-compatible
-        # servers send a whole-object CRC with ranged GETs, which botocore would reject.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        max_pool_connections=64,
-        **({"signature_version": botocore.UNSIGNED} if unsigned else {}),
-    )
-    try:
-        return session.client("s3", endpoint_url=endpoint, config=config)
-    except ValueError as exc:
-        raise UsageError(f"cannot create S3 client: {exc}") from None
-
-
-def translate(exc: Exception, what: str, endpoint: str, attempts: int) -> LingctlError:
-    """Map a boto3/botocore exception on ``what`` (bucket/key) to a lingctl error kind, without secrets."""
-    import botocore.exceptions as bx
-
-    where = endpoint or "AWS S3"
-    if isinstance(exc, bx.NoCredentialsError):
-        return AccessDeniedError(
-            f"no S3 credentials found for {where}",
-            hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
-        )
-    if isinstance(exc, bx.PartialCredentialsError):
-        return AccessDeniedError(f"incomplete S3 credentials: {exc}", hint="set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError,
-                        bx.ConnectionClosedError)):
-        return RetryableError(
-            f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({type(exc).__name__})",
-            hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
-        )
-    if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
-        # A connection that broke mid-request or mid-body (reset, truncated stream): a new request can work.
-        return RetryableError(f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) "
-                              f"({type(exc).__name__})")
-    if isinstance(exc, bx.FlexibleChecksumError):  # botocore checked S3's own checksum field on a GET
-        return VerificationError(f"checksum mismatch for {what} at {where}: {exc}",
-                                 hint="the stored object is damaged; nothing was written")
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = err.get("Message") or code
-        # HeadBucket answers a bare 404 without a code; ``what`` is then the bucket name alone.
-        if code == "NoSuchBucket" or (status == 404 and "/" not in what):
-            return NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}")
-        if code == "NoSuchUpload":
-            return NotFoundError(f"{what}: the multipart upload no longer exists at {where} (aborted, or the "
-                                 "server restarted)", hint="run the same command again to start a new upload")
-        if code == "PreconditionFailed" or status == 412:
-            return RetryableError(f"{what}: the object changed at {where} while it was being read")
-        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
-            return NotFoundError(f"{what}: not found at {where}")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AuthorizationHeaderMalformed",
-                    "InvalidToken", "ExpiredToken", "TokenRefreshRequired"):
-            return AccessDeniedError(
-                f"S3 rejected the credentials for {what} at {where} ({code})",
-                hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
-            )
-        if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
-            return AccessDeniedError(f"access denied to {what} at {where}", hint="check the credentials' permissions")
-        if code in ("InvalidRange",) or status == 416:
-            return UsageError(f"{what}: requested range is outside the object")
-        if status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                                      "InternalError", "ServiceUnavailable"):
-            return RetryableError(f"S3 error on {what} at {where} after {attempts} attempt(s): {code}: {message}")
-        return LingctlError(f"S3 error on {what} at {where}: {code}: {message}")
-    if isinstance(exc, bx.BotoCoreError):
-        return LingctlError(f"S3 error on {what} at {where}: {exc}")
-    raise exc
+    shown = redact_url(endpoint) if endpoint else ""
+    client = make_client(options, unsigned=unsigned, attempts=1)
+    retrier = Retrier(Aimd(1), lambda exc, what, n: translate(exc, what, shown, n), attempts=options.max_attempts)
+    return [b["Name"] for b in retrier.call("ListBuckets", client.list_buckets).get("Buckets", [])]
 
 
 class S3Store(ObjectStore):
-    def __init__(self, url: StoreURL, options: S3Options | None = None) -> None:
+    records_checksums = True
+
+    def __init__(self, url: StoreURL, options: S3Options | None = None, *, gate: Aimd | None = None) -> None:
         if not url.is_s3:
             raise ValueError(f"not an s3:// URL: {url}")
         self.url = url
@@ -178,6 +68,10 @@ class S3Store(ObjectStore):
         self.bucket = url.bucket
         self._root = f"{url.prefix}/" if url.prefix else ""
         self.endpoint = self.options.resolved_endpoint() or ""
+        self.gate = gate or Aimd(_DEFAULT_CONCURRENCY)
+        self.retrier = Retrier(self.gate, lambda exc, what, n: translate(exc, what, self.endpoint, n),
+                               attempts=self.options.max_attempts)
+        self.multipart = _S3Uploads(self)
         self._client: Any = None
         self._lock = threading.Lock()
 
@@ -187,106 +81,140 @@ class S3Store(ObjectStore):
         if self._client is None:
             with self._lock:
                 if self._client is None:
-                    self._client = make_client(self.options)
+                    client = make_client(self.options, attempts=1)
+                    # botocore sends "Expect: 100-continue" with every PUT body and waits for the server's
+                    # go-ahead: one extra round trip per object, which dominates copying many small files.
+                    # Bodies are in memory and a rejected PUT is simply retried, so it buys nothing here.
+                    import botocore.handlers
+
+                    client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
+                    self._client = client
         return self._client
 
     def describe(self) -> str:
         return f"{self.url} at {self.endpoint or 'AWS S3'}"
 
     def _key(self, key: str) -> str:
-        return self._root + check_key(key)
+        return self._root + check_object_key(key)
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(**kwargs)
-        except Exception as exc:  # translated into our kinds; anything unknown is re-raised as is
-            raise translate(exc, what, self.endpoint, self.options.max_attempts) from exc
+        return self.retrier.call(what, fn, **kwargs)
+
+    def _obj(self, key: str, method: str, **kwargs: Any) -> Any:
+        """``method`` of the client on object ``key``, through the retrier."""
+        full = self._key(key)
+        return self.retrier.call(f"{self.bucket}/{full}", getattr(self.client, method), Bucket=self.bucket,
+                                 Key=full, **kwargs)
 
     def check(self) -> None:
         self._call(self.bucket, self.client.head_bucket, Bucket=self.bucket)
 
     # -- listing ------------------------------------------------------------------------------------
+    def walk(self, *, jobs: int = 16, stats: ListStats | None = None, skip_dirs: frozenset[str] = frozenset(),
+             on_unreadable: OnUnreadable | None = None, within: str = "") -> Iterator[list[Listed]]:
+        from lingctl.core.storage.s3_listing import Range, S3Lister
+
+        lister = S3Lister(self.url, self.options, jobs, skip_dirs, gate=self.gate, within=within)
+        start = within.rpartition("/")[0]
+        first = Range(lister.prefix + (start + "/" if start else ""))
+        return Crawl(jobs, stats or ListStats(), lister.page, lister.close, on_unreadable).run(first)
+
     def list(self, prefix: str = "", *, recursive: bool = True) -> Iterator[ObjectInfo]:
+        if recursive:
+            # The parallel lister; its batches come in no order, so a whole (prefix) listing is sorted here.
+            found = [ObjectInfo(key=e.key, size=e.size, mtime=e.mtime, etag=e.etag)
+                     for batch in self.walk(jobs=8, within=prefix) for e in batch]
+            found.sort(key=lambda o: o.key.encode())
+            yield from found
+            return
         full = self._root + prefix
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
-        if not recursive:
-            if full and not full.endswith("/"):
-                full += "/"
-            kwargs.update(Prefix=full, Delimiter="/")
-        paginator = self.client.get_paginator("list_objects_v2")
+        if full and not full.endswith("/"):
+            full += "/"
         cut = len(self._root)
-        try:
-            for page in paginator.paginate(**kwargs):
-                entries: list[ObjectInfo] = [
-                    ObjectInfo(key=o["Key"][cut:], size=o["Size"], mtime=o["LastModified"].timestamp(),
-                               etag=o.get("ETag", "").strip('"') or None)
-                    for o in page.get("Contents", ())
-                    if not o["Key"].endswith("/")  # zero-byte "directory markers" are not objects
-                ]
-                entries += [ObjectInfo(key=p["Prefix"][cut:].rstrip("/"), size=0, mtime=0.0, is_dir=True)
-                            for p in page.get("CommonPrefixes", ())]
-                if not recursive:
-                    # Objects and common prefixes come in two lists; merge them into key order.
-                    entries.sort(key=lambda i: i.key + ("/" if i.is_dir else ""))
-                yield from entries
-        except Exception as exc:
-            raise translate(exc, f"{self.bucket}/{full}", self.endpoint, self.options.max_attempts) from exc
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(f"{self.bucket}/{full}", self.client.list_objects_v2, **kwargs)
+            entries = [ObjectInfo(key=o["Key"][cut:], size=o["Size"], mtime=o["LastModified"].timestamp(),
+                                  etag=_etag(o))
+                       for o in page.get("Contents", ()) if not o["Key"].endswith("/")]  # no "directory markers"
+            entries += [ObjectInfo(key=p["Prefix"][cut:].rstrip("/"), size=0, mtime=0.0, is_dir=True)
+                        for p in page.get("CommonPrefixes", ())]
+            # Objects and common prefixes come in two lists; merge them into key order.
+            entries.sort(key=lambda i: (i.key + ("/" if i.is_dir else "")).encode())
+            yield from entries
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
 
     # -- reading ------------------------------------------------------------------------------------
-    def stat(self, key: str) -> ObjectInfo:
-        full = self._key(key)
-        head = self._call(f"{self.bucket}/{full}", self.client.head_object, Bucket=self.bucket, Key=full,
-                          ChecksumMode="ENABLED")
-        return self._info(key, head)
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            reply = self._obj(key, "head_object", ChecksumMode="ENABLED")
+        except NotFoundError:
+            return None
+        return parse_reply(key, reply)
 
-    @staticmethod
-    def _info(key: str, head: dict[str, Any]) -> ObjectInfo:
-        # Our metadata was computed from the source bytes at upload; some S3-compatible servers compute
-        # their checksum field from whatever is stored now, which would hide damage at rest. Prefer ours.
-        # AWS lower-cases metadata names; some servers keep the sender's case.
-        meta = {k.lower(): v for k, v in head.get("Metadata", {}).items()}
-        b64 = meta.get(CHECKSUM_META)
-        if not b64 and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
-            b64 = head.get("ChecksumCRC64NVME")  # a composite multipart CRC ("...-N") is not comparable
-        return ObjectInfo(key=key, size=head["ContentLength"], mtime=head["LastModified"].timestamp(),
-                          checksum=tag_from_b64(b64) if b64 else None, etag=head.get("ETag", "").strip('"') or None)
-
-    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    def version(self, key: str) -> Version | None:
+        # A one-key listing, not a HEAD: listings carry LastModified to the millisecond, HEAD to the second,
+        # and a copy records the source mtime that the next run's listing will compare.
         full = self._key(key)
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        reply = self._call(f"{self.bucket}/{full}", self.client.list_objects_v2, Bucket=self.bucket, Prefix=full,
+                           MaxKeys=1)
+        for o in reply.get("Contents", ()):
+            if o["Key"] == full:
+                return Version(o["Size"], o["LastModified"].timestamp(), _etag(o))
+        return None
+
+    def read(self, key: str, offset: int = 0, length: int | None = None, *, pin: Version | None = None) -> bytes:
         if length == 0:
             return b""
-        if offset or length is not None:
-            end = "" if length is None else str(offset + length - 1)
-            kwargs["Range"] = f"bytes={offset}-{end}"
+        full = self._key(key)
         what = f"{self.bucket}/{full}"
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if offset or length is not None:
+            kwargs["Range"] = f"bytes={offset}-{'' if length is None else offset + length - 1}"
+        if pin is not None and pin.etag:
+            kwargs["IfMatch"] = f'"{pin.etag}"'
+
+        def get(**kw: Any) -> bytes:
+            import botocore.exceptions
+
+            try:
+                resp = self.client.get_object(**kw)
+            except botocore.exceptions.ClientError as exc:
+                status = response_status(exc)
+                if pin is not None and status in (404, 412):
+                    change = "overwritten" if status == 412 else "removed"
+                    raise SourceChangedError(f"{what}: the object was {change} during the copy") from exc
+                raise
+            if pin is not None:
+                _check_version(what, pin, resp)
+            return resp["Body"].read()  # the body read is retried with the request
+
         try:
-            resp = self.client.get_object(**kwargs)
-        except Exception as exc:
-            err = translate(exc, what, self.endpoint, self.options.max_attempts)
-            if isinstance(err, UsageError):
-                return b""  # 416: the range starts at or past the end, which reads as empty, as a file would
-            raise err from exc
-        try:
-            return resp["Body"].read()
-        except Exception as exc:
-            raise translate(exc, what, self.endpoint, self.options.max_attempts) from exc
+            return self.retrier.call(what, get, **kwargs)
+        except UsageError:
+            return b""  # 416: the range starts at or past the end, which reads as empty, as a file would
 
     def download(self, key: str, path: Path) -> ObjectInfo:
         full = self._key(key)
         what = f"{self.bucket}/{full}"
-        resp = self._call(what, self.client.get_object, Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
-        info = self._info(key, resp)
-        crc = Crc64()
-        with atomic_write(Path(path)) as (_, f):
-            try:
-                for block in resp["Body"].iter_chunks(1 * _MiB):
-                    crc.update(block)
-                    f.write(block)
-            except OSError as exc:
-                raise os_error(exc, str(path)) from exc
-            except Exception as exc:
-                raise translate(exc, what, self.endpoint, self.options.max_attempts) from exc
+
+        def fetch(tmp_file: Any) -> ObjectInfo:
+            resp = self.client.get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
+            info = parse_reply(key, resp)
+            tmp_file.seek(0)
+            tmp_file.truncate()
+            crc = Crc64()
+            for block in resp["Body"].iter_chunks(1 * _MiB):
+                crc.update(block)
+                try:
+                    tmp_file.write(block)
+                except OSError as exc:
+                    raise os_error(exc, str(path)) from exc
             if crc.length != info.size:
                 raise RetryableError(f"{what}: connection ended after {crc.length} of {info.size} bytes")
             if info.checksum is not None and crc.tagged() != info.checksum:
@@ -294,12 +222,23 @@ class S3Store(ObjectStore):
                     f"checksum mismatch for s3://{what}: recorded {info.checksum}, received {crc.tagged()}",
                     hint="the stored object is damaged or was changed during the copy; nothing was written",
                 )
-        return info
+            return info
+
+        with atomic_write(Path(path)) as (_, f):
+            return self.retrier.call(what, fetch, f)
+
+    def checksum(self, key: str) -> str | None:
+        """The recorded CRC64NVME (our metadata, or S3's own field); None for objects written without one."""
+        return self.stat(key).checksum
 
     # -- writing ------------------------------------------------------------------------------------
-    def write(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
-        crc = crc64_bytes(data)
-        return self._put(key, io.BytesIO(bytes(data)), crc)
+    def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
+              mtime_ns: int | None = None, crc: Crc64 | None = None) -> ObjectInfo:
+        crc = crc or crc64_bytes(data)
+        body = data if isinstance(data, bytes) else bytes(data)
+        resp = self._obj(key, "put_object", Body=body, ChecksumCRC64NVME=crc.b64(),
+                         Metadata=object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc.tagged()))
+        return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(), etag=_etag(resp))
 
     def upload(self, key: str, path: Path) -> ObjectInfo:
         path = Path(path)
@@ -310,49 +249,98 @@ class S3Store(ObjectStore):
             raise os_error(exc, str(path)) from exc
         if size < self.options.multipart_threshold:
             with open(path, "rb") as f:
-                return self._put(key, f, crc)
-        return self._multipart(key, path, crc)
+                return self.write(key, f.read(), crc=crc)
+        return self._upload_parts(key, path, size, crc)
 
-    def _put(self, key: str, body: Any, crc: Crc64) -> ObjectInfo:
-        full = self._key(key)
-        resp = self._call(f"{self.bucket}/{full}", self.client.put_object, Bucket=self.bucket, Key=full, Body=body,
-                          ChecksumCRC64NVME=crc.b64(), Metadata={CHECKSUM_META: crc.b64()})
-        return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(),
-                          etag=resp.get("ETag", "").strip('"') or None)
-
-    def _multipart(self, key: str, path: Path, crc: Crc64) -> ObjectInfo:
-        """Sequential multipart upload; the object appears under ``key`` only when CompleteMultipartUpload
-        succeeds, and an upload that fails is aborted so its parts do not linger (and cost money)."""
-        full = self._key(key)
-        what = f"{self.bucket}/{full}"
-        created = self._call(what, self.client.create_multipart_upload, Bucket=self.bucket, Key=full,
-                             Metadata={CHECKSUM_META: crc.b64()})
-        upload_id = created["UploadId"]
+    def _upload_parts(self, key: str, path: Path, size: int, crc: Crc64) -> ObjectInfo:
+        """A sequential multipart upload; the object appears under ``key`` only when it completes, and an
+        upload that fails is aborted so its parts do not linger (and cost money)."""
+        uploads = self.multipart
+        upload_id = uploads.create(key, size, crc=crc.tagged())
         parts = []
         try:
             with open(path, "rb") as f:
-                number = 1
+                number, offset = 1, 0
                 while block := f.read(self.options.part_size):
-                    part = self._call(what, self.client.upload_part, Bucket=self.bucket, Key=full,
-                                      UploadId=upload_id, PartNumber=number, Body=block)
-                    parts.append({"PartNumber": number, "ETag": part["ETag"]})
-                    number += 1
-            resp = self._call(what, self.client.complete_multipart_upload, Bucket=self.bucket, Key=full,
-                              UploadId=upload_id, MultipartUpload={"Parts": parts})
+                    parts.append((number, uploads.put_part(key, upload_id, number, offset, block)))
+                    number, offset = number + 1, offset + len(block)
+            info = uploads.complete(key, upload_id, parts)
         except BaseException:
             try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                uploads.abort(key, upload_id)
             except Exception:  # the original error matters more; a stale upload is cleaned by lifecycle rules
-                log.warning("could not abort multipart upload %s of %s", upload_id, what)
+                log.warning("could not abort multipart upload %s of %s/%s", upload_id, self.bucket, key)
             raise
-        return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(),
-                          etag=resp.get("ETag", "").strip('"') or None)
+        return ObjectInfo(key=key, size=size, mtime=info.mtime, checksum=crc.tagged(), etag=info.etag)
 
     def delete(self, key: str) -> None:
-        full = self._key(key)
-        self._call(f"{self.bucket}/{full}", self.client.delete_object, Bucket=self.bucket, Key=full)
+        self._obj(key, "delete_object")
 
-    def checksum(self, key: str) -> str | None:
-        """The recorded CRC64NVME (S3's own field, or our metadata); None for objects written without one."""
-        return self.stat(key).checksum
 
+class _S3Uploads(MultipartUploads):
+    """S3 multipart uploads. They outlive the process, so a later run can continue one from its finished
+    parts (``resumable``). A reply that says the server no longer knows the upload (NoSuchUpload, a bare
+    404, or InvalidPart for parts it lost) raises ``UploadGoneError``: resending cannot help, a new upload can."""
+
+    resumable = True
+
+    def __init__(self, store: S3Store) -> None:
+        self.store = store
+
+    def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
+               crc: str | None = None) -> str:
+        meta = object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc)
+        return self.store._obj(key, "create_multipart_upload", Metadata=meta)["UploadId"]
+
+    def _on_upload(self, key: str, upload_id: str, method: str, **kwargs: Any) -> Any:
+        store = self.store
+        fn = getattr(store.client, method)
+
+        def call(**kw: Any) -> Any:
+            import botocore.exceptions
+
+            try:
+                return fn(**kw)
+            except botocore.exceptions.ClientError as exc:
+                code = response_code(exc)
+                if code in ("NoSuchUpload", "InvalidPart") or response_status(exc) == 404:
+                    raise UploadGoneError(f"{store.bucket}/{store._key(key)}: the server no longer knows multipart "
+                                          f"upload {upload_id[:16]}... ({code or 404})") from exc
+                raise
+
+        full = store._key(key)
+        return store.retrier.call(f"{store.bucket}/{full}", call, Bucket=store.bucket, Key=full, UploadId=upload_id,
+                                  **kwargs)
+
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+        return self._on_upload(key, upload_id, "upload_part", PartNumber=number, Body=data)["ETag"]
+
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
+                 mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
+        resp = self._on_upload(key, upload_id, "complete_multipart_upload",
+                               MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        # Some servers list a multipart object under another ETag than CompleteMultipartUpload returned
+        # (rclone's lists the MD5 of the stored file). One HEAD per large object records the one that
+        # listings show, so re-syncs recognise the object without a HEAD each time.
+        head = self.store.head(key)
+        etag = head.etag if head is not None else _etag(resp)
+        return ObjectInfo(key=key, size=head.size if head is not None else 0, mtime=time.time(), etag=etag,
+                          checksum=head.checksum if head is not None else None)
+
+    def abort(self, key: str, upload_id: str) -> None:
+        try:
+            self.store._obj(key, "abort_multipart_upload", UploadId=upload_id)
+        except LingctlError:
+            pass  # an upload that is already gone needs no abort
+
+
+def _check_version(what: str, pin: Version, resp: dict[str, Any]) -> None:
+    """Raise ``SourceChangedError`` unless a GET response is of the pinned version: same ETag (when pinned)
+    and the same total size (Content-Range ``bytes a-b/TOTAL``, or the length of a whole-object GET)."""
+    etag = _etag(resp)
+    if pin.etag and etag and etag != pin.etag:
+        raise SourceChangedError(f"{what}: the object was overwritten during the copy (ETag {pin.etag} -> {etag})")
+    content_range = resp.get("ContentRange") or ""
+    total = content_range.rpartition("/")[2] if content_range else str(resp.get("ContentLength", ""))
+    if total.isdigit() and int(total) != pin.size:
+        raise SourceChangedError(f"{what}: the object was overwritten during the copy (size {pin.size} -> {total})")

@@ -93,6 +93,12 @@ def parse_url(text: str) -> StoreURL:
     raise UsageError(f"unsupported URL scheme {scheme!r} in {text!r}", hint=_HINT)
 
 
+class InvalidKeyError(UnsafeNameError, UsageError):
+    """A key that cannot name an object in a store. A usage error when a caller asked for it; when it came
+    from data (a listing being copied) it fails that object like any other data that does not verify, so
+    its exit code is 4 (``UnsafeNameError``'s), and nothing is written through it."""
+
+
 def check_key(key: str) -> str:
     """A key relative to a root, by ``lingctl.core.names.check_relative``'s rules: '/'-separated, no empty,
     '.' or '..' segments, no control characters, segments short enough to be file names. So a key cannot
@@ -101,6 +107,15 @@ def check_key(key: str) -> str:
         return check_relative(key, what="invalid object key")
     except UnsafeNameError as exc:
         raise UsageError(exc.message, hint="keys are relative names like 'dir/file'") from None
+
+
+def check_object_key(key: str) -> str:
+    """A key for an object store: '/'-separated, no leading or trailing '/', no empty, '.' or '..' segments
+    (so it cannot leave its root), but any other character S3 takes. ``InvalidKeyError`` otherwise."""
+    if not isinstance(key, str) or not key or any(seg in ("", ".", "..") for seg in key.split("/")):
+        raise InvalidKeyError(f"invalid object key {printable(str(key))!r}",
+                              hint="keys are relative names like 'dir/file'")
+    return key
 
 
 def redact_url(text: str) -> str:

@@ -1,10 +1,13 @@
-"""Retries with jittered backoff, and AIMD concurrency for S3 requests.
+"""The one retry policy for S3 traffic: jittered exponential backoff, and AIMD concurrency.
 
 Object stores answer overload with 503 SlowDown (or dropped connections). Retrying at the same concurrency
 makes it worse, so every request goes through one shared ``Aimd`` gate: a throttled or dropped request
 halves the number of requests allowed in flight (at most once per cooldown, since a burst of concurrent
 failures reports the same event), each success adds 1/limit, so concurrency grows back by about one per
 window of successes (TCP's additive-increase / multiplicative-decrease).
+
+``THROTTLE_CODES`` is the one list of S3 error codes that mean "slow down": the retrier lowers concurrency
+on them, and ``s3_errors.translate`` makes them retryable.
 """
 
 from __future__ import annotations
@@ -22,14 +25,23 @@ from lingctl.core.errors import LingctlError, RetryableError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                             "ServiceUnavailable", "503"})
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "ServiceUnavailable", "TooManyRequests", "RequestThrottled"})
+THROTTLE_STATUS = frozenset({429, 503})
 
 
 class RestartError(RetryableError):
     """Retryable, but not by sending the same request again: the whole object's copy must start over (its
     source changed under a pinned read, or the server forgot the multipart upload). The retrier passes it
-    straight up to the copy, which restarts it a bounded number of times."""
+    straight up to the caller, which restarts the copy a bounded number of times."""
+
+
+class SourceChangedError(RestartError):
+    """The object is no longer the version a pinned read started from (overwritten, or removed)."""
+
+
+class UploadGoneError(RestartError):
+    """The server no longer knows the multipart upload (restarted, or a lifecycle rule aborted it)."""
 
 
 @dataclass(slots=True)
@@ -70,20 +82,44 @@ class Aimd:
             self._cond.notify_all()
 
 
-def is_throttle(exc: BaseException) -> bool:
-    """503 / SlowDown and dropped connections: the store asks us to slow down."""
+def backoff(attempt: int, base_s: float = 0.05, cap_s: float = 5.0) -> float:
+    """The pause after failed attempt ``attempt``: exponential, with full jitter, so clients that failed
+    together do not retry together."""
+    return random.uniform(0, min(cap_s, base_s * 2 ** attempt))
+
+
+def response_status(exc: BaseException) -> int:
+    """The HTTP status of a botocore ``ClientError`` (0 for anything else)."""
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        err = response.get("Error", {})
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return err.get("Code") in _THROTTLE_CODES or status == 503
+    if not isinstance(response, dict):
+        return 0
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def response_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ``ClientError`` ("" for anything else)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", "") or "")
+
+
+def is_throttle_reply(code: str, status: int) -> bool:
+    return code in THROTTLE_CODES or status in THROTTLE_STATUS
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """A throttling reply, or a dropped connection: the store asks us to slow down."""
+    if isinstance(getattr(exc, "response", None), dict):
+        return is_throttle_reply(response_code(exc), response_status(exc))
     name = type(exc).__name__
     return "Connection" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError))
 
 
 class Retrier:
     """Runs S3 calls through the AIMD gate, retrying retryable failures with exponential backoff and full
-    jitter (so clients that failed together do not retry together)."""
+    jitter (so clients that failed together do not retry together). ``translate(exc, what, attempts)`` turns
+    a failure into a lingctl error; only retryable ones (and throttling) are sent again."""
 
     def __init__(self, gate: Aimd, translate: Callable[[BaseException, str, int], LingctlError], *,
                  attempts: int = 8, base_s: float = 0.05, cap_s: float = 5.0) -> None:
@@ -111,7 +147,7 @@ class Retrier:
                 with self._lock:
                     self.counters.retries += 1
                     self.counters.throttled += throttled
-                delay = random.uniform(0, min(self.cap_s, self.base_s * 2 ** attempt))
+                delay = backoff(attempt, self.base_s, self.cap_s)
                 log.debug("retrying %s in %.2fs after %s", what, delay, err)
             finally:
                 self.gate.release(throttled=throttled)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import html
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -28,19 +27,17 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, unquote_plus, urlparse
 
-from lingctl.babel.crawl import Crawl, Listed
 from lingctl.core.errors import UsageError
 from lingctl.core.names import printable
-from lingctl.core.storage.s3 import S3Options, translate
+from lingctl.core.storage.crawl import Crawl, Listed
+from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
+from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, translate
 from lingctl.core.storage.url import StoreURL, redact_url
 
 log = logging.getLogger("lingctl.babel.listing")
 
 _PAGE = 1000  # ListObjectsV2 max-keys: S3 and rclone cap it at 1000
 _MIN_ATTEMPTS = 5  # a long listing meets more transient errors than a single request does
-_BACKOFF_BASE, _BACKOFF_CAP = 0.1, 5.0
-_RETRY_STATUS = frozenset({500, 502, 503, 504})
-_RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
 
 # Characters where range boundaries are placed, by the kind of name seen on a page: the smallest class that
 # covers the page's characters, so numbered or hashed keys do not spend requests on ranges that hold nothing.
@@ -173,14 +170,22 @@ def _boundaries(prefix: str, names: list[str], until: str | None, limit: int) ->
 
 
 class S3Lister:
-    def __init__(self, url: StoreURL, options: S3Options, jobs: int, skip_dirs: frozenset[str]) -> None:
+    """Lists everything below ``url`` (or only below ``within``, a key prefix relative to it) on a crawl.
+
+    Requests go through ``gate``, the AIMD gate the store's other requests share: a throttled List halves
+    the requests in flight as a throttled GET does, and is retried on the same backoff schedule."""
+
+    def __init__(self, url: StoreURL, options: S3Options, jobs: int, skip_dirs: frozenset[str], *,
+                 gate: Aimd | None = None, within: str = "") -> None:
         options.validate()
+        self.gate = gate or Aimd(jobs)
         import boto3
         import botocore.exceptions
         import urllib3
 
         self.bucket = url.bucket
         self.prefix = f"{url.prefix}/" if url.prefix else ""
+        self.within = self.prefix + within
         self.skip_dirs = skip_dirs
         self.options = options
         self.attempts = max(options.max_attempts, _MIN_ATTEMPTS)
@@ -261,7 +266,7 @@ class S3Lister:
             if key <= r.after:
                 continue
             names.append(key)
-            if not key.endswith("/"):  # zero-byte "directory markers" are not objects
+            if not key.endswith("/") and key.startswith(self.within):  # "directory markers" are not objects
                 batch.append(Listed(key[cut:], size, _timestamp(modified), etag))
         for p in page.prefixes:
             if r.until is not None and p > r.until:
@@ -272,7 +277,7 @@ class S3Lister:
             if p <= r.after:
                 continue
             names.append(p)
-            if p[len(r.prefix):-1] not in self.skip_dirs:
+            if p[len(r.prefix):-1] not in self.skip_dirs and (p.startswith(self.within) or self.within.startswith(p)):
                 crawl.add(Range(p))
         if batch:
             crawl.emit(batch)
@@ -331,27 +336,32 @@ class S3Lister:
             if attempt > 1:
                 crawl.count(retries=1)
                 # Exponential backoff with full jitter, so parallel workers do not retry in step.
-                delay = random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 2)))
-                if crawl.stopped.wait(delay):
+                if crawl.stopped.wait(backoff(attempt - 1)):
                     break
             request = AWSRequest(method="GET", url=url)
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
             crawl.count(requests=1)
+            self.gate.acquire()
+            throttled = False
             with self._lock:
                 self._inflight += 1
                 concurrency = self._inflight
             started = time.monotonic()
             try:
                 resp = self.http.request("GET", url, headers=dict(request.headers.items()), retries=False)
+                body = resp.data.decode("utf-8", errors="replace")
             except urllib3.exceptions.HTTPError as exc:
+                throttled = True  # a dropped connection means "slow down", as in retry.is_throttle
                 error = _connection_error(exc, url, bx)
                 log.debug("list %s: attempt %d: %s", printable(what), attempt, redact_url(str(exc)))
                 continue
             finally:
                 with self._lock:
                     self._inflight -= 1
-            body = resp.data.decode("utf-8", errors="replace")
+                if throttled:
+                    self.gate.release(throttled=True)
             if resp.status == 200:
+                self.gate.release()
                 self._observe(concurrency, time.monotonic() - started)
                 page = _parse_page(body)
                 if page is not None:
@@ -362,9 +372,10 @@ class S3Lister:
             code_m, message_m = _CODE_RE.search(body), _MESSAGE_RE.search(body)
             code = html.unescape(code_m.group(1)) if code_m else str(resp.status)
             message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
+            self.gate.release(throttled=is_throttle_reply(code, resp.status))
             error = bx.ClientError({"Error": {"Code": code, "Message": message},
                                     "ResponseMetadata": {"HTTPStatusCode": resp.status}}, "ListObjectsV2")
-            if resp.status not in _RETRY_STATUS and code not in _RETRY_CODES:
+            if resp.status < 500 and not is_throttle_reply(code, resp.status) and code not in RETRY_CODES:
                 break
             log.debug("list %s: attempt %d: HTTP %d %s", printable(what), attempt, resp.status, printable(code))
         assert error is not None
