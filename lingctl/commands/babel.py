@@ -1,4 +1,4 @@
-"""`lingctl babel ls | sync | verify`: thin wrappers over lingctl.babel.
+"""`lingctl babel ls | copy | sync | verify`: thin wrappers over lingctl.babel.
 
 Keys and paths come from data (listings of trees other people wrote): every one shown in human output goes
 through ``printable``, and every endpoint through ``redact_url``. JSON output keeps keys exact (JSON
@@ -17,7 +17,7 @@ from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, Profile
 from lingctl.core.errors import LingctlError, VerificationError
 from lingctl.core.names import printable
 from lingctl.core.output import Output, to_jsonable
-from lingctl.core.storage import parse_url
+from lingctl.core.storage import S3Options, parse_url
 from lingctl.core.storage.url import redact_url
 from lingctl.core.units import format_size, parse_size
 
@@ -86,60 +86,118 @@ def ls(
         raise UnreadableError(unreadable)
 
 
-@app.command("sync")
-def sync(
-    src: Annotated[str, typer.Argument(help="Source: a path or s3://bucket/prefix.")],
-    dst: Annotated[str, typer.Argument(help="Destination: a path or s3://bucket/prefix.")],
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would change; change nothing.")] = False,
-    delete: Annotated[bool, typer.Option("--delete", help="Delete destination objects missing from the source.")] = False,
-    max_delete: Annotated[int | None, typer.Option("--max-delete", metavar="N", help="Refuse to delete more than N.")] = None,
-    include: IncludeOpt = None, exclude: ExcludeOpt = None,
-    checksum: Annotated[bool, typer.Option("--checksum", "-c", help="Compare CRC64NVME, not size + mtime.")] = False,
-    jobs: JobsOpt = 16,
-    part_size: Annotated[str | None, typer.Option("--part-size", metavar="SIZE", help="Multipart part size (default: adapts, >= 8MiB).")] = None,
-    verify: Annotated[str, typer.Option("--verify", help="After each copy: none, sampled or full.")] = "sampled",
-    samples: SamplesOpt = 64,
-    shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Take only shard I of N of the key space.")] = None,
-    commit_last: Annotated[str | None, typer.Option("--commit-last", metavar="NAME", help="Copy NAME only after everything else is copied and verified.")] = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Where the resumable journal lives.")] = None,
+SrcArg = Annotated[str, typer.Argument(help="Source: a path or s3://bucket/prefix, or one file or object.")]
+DstArg = Annotated[str, typer.Argument(help="Destination: a path or s3://bucket/prefix (for one file: a "
+                                            "directory, or the new name).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would change; change nothing.")]
+ChecksumOpt = Annotated[bool, typer.Option("--checksum", "-c", help="Compare CRC64NVME, not size + mtime.")]
+PartSizeOpt = Annotated[str | None, typer.Option("--part-size", metavar="SIZE",
+                                                 help="Multipart part size (default: adapts, >= 8MiB).")]
+VerifyOpt = Annotated[str, typer.Option("--verify", help="After each copy: none, sampled or full.")]
+ShardOpt = Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Take only shard I of N of the key space.")]
+CommitLastOpt = Annotated[str | None, typer.Option("--commit-last", metavar="NAME",
+                                                   help="Copy NAME only after everything else is copied and verified.")]
+StateDirOpt = Annotated[Path | None, typer.Option("--state-dir", help="Where the resumable journal lives "
+                                                  "(default: ~/.cache/lingctl/babel/...).")]
+StatsOpt = Annotated[str, typer.Option("--stats", metavar="DURATION",
+                                       help="Off a terminal: a stats line on stderr this often (0: off).")]
+ProgressOpt = Annotated[bool, typer.Option("--progress", "-P", help="Show the live progress display, even off a "
+                                                                    "terminal.")]
+BwlimitOpt = Annotated[str, typer.Option("--bwlimit", metavar="RATE",
+                                         help="Limit the transfer rate, e.g. 10M = 10 MiB/s (0: off).")]
+
+
+@app.command("copy")
+def copy(
+    src: SrcArg, dst: DstArg, dry_run: DryRunOpt = False, include: IncludeOpt = None, exclude: ExcludeOpt = None,
+    checksum: ChecksumOpt = False, jobs: JobsOpt = 16, part_size: PartSizeOpt = None, verify: VerifyOpt = "sampled",
+    samples: SamplesOpt = 64, shard: ShardOpt = None, commit_last: CommitLastOpt = None,
+    state_dir: StateDirOpt = None, stats: StatsOpt = "1m", progress: ProgressOpt = False,
+    bwlimit: BwlimitOpt = "0",
     endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
     path_style: PathStyleOpt = None, retries: RetriesOpt = 8, json: JsonOpt = False,
 ) -> None:
-    """Make DST equal to SRC (local paths or s3:// in any direction). Re-running resumes an interrupted sync.
+    """Copy what is missing or different from SRC to DST; never deletes. Re-running resumes.
 
-    Exit codes: 0 in sync, 1 copies failed for good (access denied, refused key, unreadable directory),
-    2 overlapping trees or bad options, 4 a copy failed verification, 5 copies failed after retries (re-run
-    to resume).
+    SRC may be one file (or s3:// object): it goes into DST when DST ends in '/' or is an existing
+    directory or prefix, else it is copied to the name DST. Exit codes: docs/babel.md.
     """
+    _transfer(src, dst, delete=False, max_delete=None, dry_run=dry_run, include=include, exclude=exclude,
+              checksum=checksum, jobs=jobs, part_size=part_size, verify=verify, samples=samples, shard=shard,
+              commit_last=commit_last, state_dir=state_dir, stats=stats, progress=progress, bwlimit=bwlimit,
+              s3=s3_options(endpoint_url, region, profile, path_style, retries), json=json)
+
+
+@app.command("sync")
+def sync(
+    src: SrcArg, dst: DstArg, dry_run: DryRunOpt = False,
+    max_delete: Annotated[int | None, typer.Option("--max-delete", metavar="N",
+                                                   help="Delete nothing if more than N would be deleted.")] = None,
+    delete: Annotated[bool, typer.Option("--delete", hidden=True, help="Accepted for old scripts: sync always "
+                                                                      "deletes.")] = False,
+    include: IncludeOpt = None, exclude: ExcludeOpt = None,
+    checksum: ChecksumOpt = False, jobs: JobsOpt = 16, part_size: PartSizeOpt = None, verify: VerifyOpt = "sampled",
+    samples: SamplesOpt = 64, shard: ShardOpt = None, commit_last: CommitLastOpt = None,
+    state_dir: StateDirOpt = None, stats: StatsOpt = "1m", progress: ProgressOpt = False,
+    bwlimit: BwlimitOpt = "0",
+    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None, retries: RetriesOpt = 8, json: JsonOpt = False,
+) -> None:
+    """Make DST identical to SRC: copy what is missing or different, then delete from DST what SRC lacks
+    (within --include/--exclude; never after a failed copy or an unreadable listing). Re-running resumes.
+
+    A single-file SRC is copied as by 'babel copy' (nothing is deleted). Exit codes: docs/babel.md.
+    """
+    del delete  # sync deletes anyway; the flag predates 'babel copy'
+    _transfer(src, dst, delete=True, max_delete=max_delete, dry_run=dry_run, include=include, exclude=exclude,
+              checksum=checksum, jobs=jobs, part_size=part_size, verify=verify, samples=samples, shard=shard,
+              commit_last=commit_last, state_dir=state_dir, stats=stats, progress=progress, bwlimit=bwlimit,
+              s3=s3_options(endpoint_url, region, profile, path_style, retries), json=json)
+
+
+def _transfer(src: str, dst: str, *, delete: bool, max_delete: int | None, dry_run: bool,
+              include: list[str] | None, exclude: list[str] | None, checksum: bool, jobs: int,
+              part_size: str | None, verify: str, samples: int, shard: str | None, commit_last: str | None,
+              state_dir: Path | None, stats: str, progress: bool, bwlimit: str, s3: S3Options,
+              json: bool) -> None:
+    from lingctl.babel.bwlimit import TokenBucket, parse_rate
     from lingctl.babel.filters import parse_shard
+    from lingctl.babel.meter import Meter, parse_duration
     from lingctl.babel.overlap import check_no_overlap
     from lingctl.babel.preflight import prepare
+    from lingctl.babel.single import plan
     from lingctl.babel.sync import SyncOptions, Syncer
 
     out = Output(json)
-    src_url, dst_url = parse_url(src), parse_url(dst)
-    check_no_overlap(src_url, dst_url)
-    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    interval, rate = parse_duration(stats), parse_rate(bwlimit)
     opts = SyncOptions(dry_run=dry_run, delete=delete, max_delete=max_delete, include=include or [],
                        exclude=exclude or [], checksum=checksum, jobs=jobs,
                        part_size=parse_size(part_size) if part_size else None, verify=verify, samples=samples,
-                       shard=parse_shard(shard), commit_last=commit_last, state_dir=state_dir)
+                       shard=parse_shard(shard), commit_last=commit_last, state_dir=state_dir,
+                       limiter=TokenBucket(rate) if rate else None)
     opts.validate()
-    opts.state_dir = prepare(src_url, dst_url, state_dir, dry_run=dry_run)
-    with out.progress("syncing", total=0, unit="bytes") as bar:
-        counts = {"queued": 0, "objects": 0, "listed": 0}
-
-        def progress(kind: str, n: int) -> None:
+    p = plan(src, dst, s3)  # one HEAD for an S3 source: is it a single object?
+    if p.objects is None:
+        check_no_overlap(p.src, p.dst)
+    else:
+        opts.objects, opts.delete = p.objects, False  # one object: nothing else of DST is ours to delete
+    opts.state_dir = prepare(p.src, p.dst, state_dir, dry_run=dry_run)
+    meter = Meter()
+    live = progress or out.progress_enabled
+    # Off a terminal nothing is drawn, so a log gets a stats line every --stats interval instead.
+    lines = interval if not live and not out.stderr_is_terminal else 0.0
+    with out.progress("syncing", total=0, unit="bytes", binary_units=True, force=progress) as bar, \
+            out.stats_lines(lines, meter.line):
+        def on_progress(kind: str, n: int) -> None:
+            meter(kind, n)
             if kind == "queued":
-                counts["queued"] += n
-                bar.update(total=counts["queued"])
+                bar.update(total=meter.queued_bytes)
             elif kind == "bytes":
                 bar.advance(n)
-            elif kind in ("copied", "listed"):
-                counts["objects" if kind == "copied" else "listed"] += n
-                bar.update(description=f"{counts['objects']} copied, {counts['listed']} listed")
+            elif kind in ("copied", "checked", "listed"):
+                bar.update(description=meter.describe())
 
-        result = Syncer(src_url, dst_url, s3, opts, progress).run()
+        result = Syncer(p.src, p.dst, s3, opts, on_progress).run()
     _report(out, result)
 
 
@@ -155,8 +213,8 @@ def _report(out: Output, r: Any) -> None:
         for f in r.failed:
             console.print(f"FAILED {printable(f['key'])}: {printable(redact_url(f['error']))}", markup=False)
         verb = "would copy" if r.dry_run else "copied"
-        n = len(r.would_copy) if r.dry_run else r.copied
-        console.print(f"{verb} {n} objects ({format_size(r.copied_bytes)}), {r.skipped} up to date, "
+        n, size = (len(r.would_copy), r.would_copy_bytes) if r.dry_run else (r.copied, r.copied_bytes)
+        console.print(f"{verb} {n} objects ({format_size(size)}), {r.skipped} up to date, "
                       f"{r.deleted if not r.dry_run else len(r.would_delete)} "
                       f"{'deleted' if not r.dry_run else 'to delete'}, {len(r.failed)} failed; "
                       f"listed {r.listed_source} + {r.listed_destination} objects in {r.list_requests} requests; "

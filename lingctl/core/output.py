@@ -3,7 +3,9 @@
 stdout carries only the command's result: one JSON document (or JSON lines for streams) with ``--json``,
 its human rendering otherwise, so ``lingctl ... | jq`` and ``lingctl ... > file`` always get clean data.
 Messages, warnings, logs and progress bars go to stderr. Progress bars are drawn only when stderr is a
-terminal and JSON mode is off, so CI logs and pipes never fill with escape codes.
+terminal and JSON mode is off, so CI logs and pipes never fill with escape codes; a command may force
+them (``-P``), or write a one-line summary every few seconds instead (``stats_lines``), so a long job
+under a batch scheduler still logs how it goes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import enum
 import json
 import math
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import PurePath
@@ -24,11 +28,15 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
+
+from lingctl.core.units import format_size
 
 
 def to_jsonable(value: Any) -> Any:
@@ -83,6 +91,14 @@ class _Task:
         if description is not None:
             kwargs["description"] = description
         self._progress.update(self._id, **kwargs)
+
+
+class _BinarySpeedColumn(ProgressColumn):
+    """Transfer speed in KiB/s, MiB/s (Rich's own column has only decimal units)."""
+
+    def render(self, task: Any) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else f"{format_size(speed)}/s", style="progress.data.speed")
 
 
 class Output:
@@ -140,20 +156,63 @@ class Output:
     def progress_enabled(self) -> bool:
         return not self.json_mode and self._stderr.isatty()
 
+    @property
+    def stderr_is_terminal(self) -> bool:
+        return self._stderr.isatty()
+
     @contextmanager
-    def progress(self, description: str, total: float | None = None, *, unit: str = "items") -> Iterator[Any]:
+    def progress(self, description: str, total: float | None = None, *, unit: str = "items",
+                 binary_units: bool = False, force: bool = False) -> Iterator[Any]:
         """A progress bar task with ``advance``/``update``; a no-op stand-in when bars are off.
 
-        ``unit="bytes"`` shows sizes and transfer speed; anything else shows done/total counts.
+        ``unit="bytes"`` shows sizes and transfer speed (``binary_units``: KiB, MiB, as lingctl's summaries
+        write them); anything else shows done/total counts. ``force`` draws the bar even off a terminal or
+        in JSON mode (stderr only), for a user who asked for it.
         """
-        if not self.progress_enabled:
+        if not (self.progress_enabled or force):
             yield _NoProgress()
             return
         if unit == "bytes":
-            columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                       TimeRemainingColumn()]
+            speed = _BinarySpeedColumn() if binary_units else TransferSpeedColumn()
+            columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=binary_units),
+                       speed, TimeRemainingColumn()]
         else:
             columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
                        TimeRemainingColumn()]
-        with Progress(*columns, console=self.err, transient=True) as bar:
+        console = self.err
+        if force and not self._stderr.isatty():
+            console = Console(file=self._stderr, soft_wrap=True, highlight=False, force_terminal=True)
+        with Progress(*columns, console=console, transient=True) as bar:
             yield _Task(bar, bar.add_task(description, total=total))
+
+    @contextmanager
+    def stats_lines(self, interval: float, line: Callable[[], str]) -> Iterator[None]:
+        """Write ``line()`` to stderr every ``interval`` seconds while the block runs, and once more at its
+        end if the block outlasted one interval (so a log ends with the final figures). ``interval`` <= 0:
+        nothing. Written whatever the JSON mode: stdout stays clean, and a batch job's log is stderr."""
+        if interval <= 0:
+            yield
+            return
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def emit() -> None:
+            text = line()
+            with lock:
+                self._stderr.write(f"{time.strftime('%Y/%m/%d %H:%M:%S')} {text}\n")
+                self._stderr.flush()
+
+        def loop() -> None:
+            while not stop.wait(interval):
+                emit()
+
+        started = time.monotonic()
+        ticker = threading.Thread(target=loop, name="lingctl-stats", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            if time.monotonic() - started >= interval:
+                emit()
