@@ -179,8 +179,8 @@ class S3Lister:
                  gate: Aimd | None = None, within: str = "") -> None:
         options.validate()
         self.gate = gate or Aimd(jobs)
-        import boto3
         import botocore.exceptions
+        import botocore.session
         import urllib3
 
         self.bucket = url.bucket
@@ -192,16 +192,19 @@ class S3Lister:
         endpoint = options.resolved_endpoint()
         # Only for messages and logs, so redacted: a URL can carry a password typed into it.
         self.endpoint = redact_url(endpoint) if endpoint else ""
+        # botocore's session, not boto3's: the same credentials and region, without importing boto3 (and
+        # s3transfer), which a process that only lists would otherwise pay for at start-up.
         try:
-            session = boto3.session.Session(profile_name=options.profile)
+            session = botocore.session.Session(profile=options.profile)
+            region = session.get_config_variable("region")
+            self.credentials = session.get_credentials()
         except botocore.exceptions.ProfileNotFound:
             raise UsageError(f"AWS profile {options.profile!r} not found",
                              hint="check ~/.aws/config or AWS_PROFILE") from None
-        self.credentials = session.get_credentials()
         if self.credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), self.bucket, self.endpoint, 1)
         # The same resolution as lingctl.core.storage.s3.make_client, so both reach the same server.
-        self.region = options.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
+        self.region = options.region or os.environ.get("AWS_REGION") or region or "us-east-1"
         path_style = options.path_style if options.path_style is not None else endpoint is not None
         if endpoint is None:
             suffix = "amazonaws.com.cn" if self.region.startswith("cn-") else "amazonaws.com"

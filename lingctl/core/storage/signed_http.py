@@ -270,10 +270,15 @@ class SignedS3Client:
         """Remove ``key``; removing a key that does not exist succeeds, as S3 answers 204 either way."""
         self._send("DELETE", "DeleteObject", key, {}, None)
 
+    def head_bucket(self) -> None:
+        """HeadBucket: returns when the bucket exists and the credentials may use it; ``S3HTTPError`` 404 or
+        403 otherwise (a HEAD answer has no body, so the code is the status)."""
+        self._send("HEAD", "HeadBucket", "", {}, None, target=self._prefix.rstrip("/") or "/")
+
     # -- one request ------------------------------------------------------------------------------------
     def _send(self, method: str, operation: str, key: str, headers: dict[str, str],
-              body: bytes | bytearray | memoryview | None) -> Any:
-        target = self._target(key)
+              body: bytes | bytearray | memoryview | None, *, target: str | None = None) -> Any:
+        target = self._target(key) if target is None else target
         if self.credentials is not None:
             headers["Host"] = self.host
             if body is None:
