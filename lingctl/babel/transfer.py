@@ -60,12 +60,16 @@ Notify = Callable[[int], None]
 
 def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Journal, part_size: int | None,
                 parts_pool: ThreadPoolExecutor, on_resumed: Notify | None = None,
-                on_restart: Notify | None = None) -> tuple[Item, Done]:
+                on_restart: Notify | None = None, server_check: bool = False) -> tuple[Item, Done, bool]:
     """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
-    the copy) and what the journal records for it. Raises on failure (nothing half-visible)."""
+    the copy), what the journal records for it, and whether the destination's server checked the body it
+    received (``server_check`` on a store that ``checks_bodies``, for an object sent in one request). Raises
+    on failure (nothing half-visible)."""
     for attempt in range(1, SOURCE_ATTEMPTS + 1):
         try:
-            return item, _copy_version(src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart)
+            done, checked = _copy_version(src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart,
+                                          server_check)
+            return item, done, checked
         except SourceChangedError as exc:
             if attempt == SOURCE_ATTEMPTS:
                 raise SourceChangedError(f"{item.key}: the source changed during each of {SOURCE_ATTEMPTS} "
@@ -83,21 +87,23 @@ def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Jour
 
 
 def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journal, part_size: int | None,
-                  pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None) -> Done:
+                  pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None,
+                  server_check: bool = False) -> tuple[Done, bool]:
     psize = part_size_for(item.size, part_size)
     if item.size <= psize:
         data = src.read(item.key, pin=item.version)
         if len(data) != item.size:
             raise SourceChangedError(f"{item.key}: {len(data)} bytes read, {item.size} listed")
         crc = crc64_bytes(data)
-        written = dst.write(item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc)
-        return Done(item.size, item.mtime, crc.tagged(), written.etag, written.mtime)
+        written = dst.write(item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc,
+                            server_check=server_check)
+        return Done(item.size, item.mtime, crc.tagged(), written.etag, written.mtime), server_check and dst.checks_bodies
     uploads = dst.multipart
     if uploads is None:
         raise UsageError(f"{dst.describe()} cannot take objects in parts; {item.key} needs {psize}-byte parts")
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
-            return _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed)
+            return _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed), False
         except UploadGoneError as exc:
             # Forget the dead id (its parts went with it) so this attempt, or the next run, starts a new one.
             journal.end_upload(item.key, None)

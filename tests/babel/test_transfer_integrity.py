@@ -321,3 +321,36 @@ def test_journal_tells_a_run_that_an_earlier_one_did_not_end(tmp_path):
     journal.end_run()
     assert journal.begin_run() is False  # the dead run's record went with the first look
     journal.close()
+
+
+# -- a body damaged on its way to the server ----------------------------------------------------------------
+
+
+def test_a_put_body_damaged_in_transit_is_refused_by_the_server_and_sent_again(tmp_path, s3_bucket, s3_server,
+                                                                            s3_env):
+    """Sampled verification of an object sent in one PUT is the server's check of its Content-MD5: a body
+    that arrives with one byte changed is refused (400 BadDigest), sent again, and stored intact; with
+    ``--verify none`` no digest is sent and the damaged body would be stored."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(300_000)
+    (src / "a.bin").write_bytes(data)
+    flipped: list[int] = []
+
+    def flip_first_put(r: FaultRequest):
+        if r.method == "PUT" and r.path.endswith("/a.bin") and not flipped:
+            flipped.append(r.number)
+            return "flip"
+        return None
+
+    with FaultProxy(s3_server.endpoint, rule=flip_first_put) as proxy:
+        result = _syncer(str(src), f"s3://{s3_bucket}/md5", proxy.endpoint, tmp_path / "state").run()
+        assert proxy.stats["injected_flip"] == 1
+    assert result.failed == [] and result.copied == 1 and result.retries == 1 and result.verified == 1
+    assert s3_tree(s3_bucket, "md5/") == {"a.bin": data}
+    flipped.clear()
+    with FaultProxy(s3_server.endpoint, rule=flip_first_put) as proxy:
+        result = _syncer(str(src), f"s3://{s3_bucket}/nocheck", proxy.endpoint, tmp_path / "state2",
+                         verify="none").run()
+    assert result.failed == [] and result.retries == 0
+    assert s3_tree(s3_bucket, "nocheck/")["a.bin"] != data  # what --verify none risks

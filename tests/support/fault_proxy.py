@@ -7,7 +7,9 @@ survive). A ``rule`` sees each request before it is forwarded and may answer ins
 
 - ``"503"``: a 503 with S3's SlowDown error body, without contacting upstream (the request body is still
   read, so the client connection stays usable and the client sees a clean throttling answer);
-- ``"reset"``: the connection is dropped with a TCP RST, no response at all.
+- ``"reset"``: the connection is dropped with a TCP RST, no response at all;
+- ``"flip"``: the request is forwarded with the first byte of its (Content-Length-framed) body inverted,
+  as a body damaged in transit would arrive.
 
     with FaultProxy(server.endpoint, rule=every_nth(2)) as proxy:
         client = make_client(S3Options(endpoint_url=proxy.endpoint, max_attempts=1))
@@ -33,8 +35,8 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
-Fault = Literal["503", "reset"]
-FAULTS: tuple[Fault, ...] = ("503", "reset")
+Fault = Literal["503", "reset", "flip"]
+FAULTS: tuple[Fault, ...] = ("503", "reset", "flip")
 Rule = Callable[["FaultRequest"], "Fault | None"]
 
 SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -96,7 +98,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._drain_body()
             self._reset()
         else:
-            self._forward()
+            if fault == "flip":
+                proxy._count("injected_flip")
+            self._forward(flip=fault == "flip")
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_OPTIONS = do_PATCH = _dispatch
 
@@ -167,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self.connection.close()
 
-    def _forward(self) -> None:
+    def _forward(self, *, flip: bool = False) -> None:
         proxy = self.server.proxy
         if self.upstream is None:
             self.upstream = proxy._connect_upstream()
@@ -178,6 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.upstream.putheader(name, value)
             self.upstream.endheaders()
             for piece in self._body_pieces():
+                if flip and piece and not self._is_chunked():
+                    piece, flip = bytes([piece[0] ^ 0xFF]) + piece[1:], False
                 self.upstream.send(piece)
             response = self.upstream.getresponse()
         except (OSError, http.client.HTTPException) as exc:
@@ -253,6 +259,7 @@ class FaultProxy:
         self._upstream_addr = (parsed.hostname, parsed.port or 80)
         self._rule = rule
         self._lock = threading.Lock()
+        # "injected_flip" appears once a body has been damaged.
         self.stats: dict[str, int] = {"requests": 0, "injected_503": 0, "injected_reset": 0, "forwarded": 0}
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._upstreams: set[http.client.HTTPConnection] = set()
@@ -320,7 +327,7 @@ class FaultProxy:
 
     def _count(self, name: str) -> int:
         with self._lock:
-            self.stats[name] += 1
+            self.stats[name] = self.stats.get(name, 0) + 1
             return self.stats[name]
 
     def _track(self, sock: socket.socket, thread: threading.Thread) -> bool:

@@ -80,6 +80,10 @@ class ObjectStore(ABC):
     multipart: MultipartUploads | None = None
     keeps_mtime = False
     records_checksums = False
+    # Whether the store can have the server check a written body against its MD5 (S3's Content-MD5: a
+    # body that arrived different is refused, 400 BadDigest), so a copy needs no read-back to know the
+    # bytes arrived intact.
+    checks_bodies: bool = False
 
     @property
     def local_root(self) -> Path | None:
@@ -137,10 +141,12 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None) -> ObjectInfo:
+              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically, recording its CRC64NVME (``crc`` when the caller has it)
         and, given ``mtime``, the source's modification time (local: the file's mtime; S3: metadata).
-        ``mtime_ns``, when given, is the same time to the nanosecond (what rclone compares)."""
+        ``mtime_ns``, when given, is the same time to the nanosecond (what rclone compares).
+        ``server_check``: on a store that ``checks_bodies``, the server refuses a body that did not arrive
+        as sent; elsewhere it is ignored."""
 
     def mtime_ns(self, key: str) -> int | None:
         """The object's modification time in nanoseconds where the store keeps it that exactly (local

@@ -194,7 +194,7 @@ class LocalStore(ObjectStore):
 
     # -- writing ------------------------------------------------------------------------------------
     def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None) -> ObjectInfo:
+              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
         path = self._path(key)
         with atomic_write(path, mtime=mtime, mtime_ns=mtime_ns) as (_, f):
             f.write(data)

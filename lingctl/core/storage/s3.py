@@ -13,6 +13,8 @@ streaming downloads and multipart control requests stay on boto3.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import threading
 import time
@@ -64,6 +66,7 @@ def list_buckets(options: S3Options, *, unsigned: bool = False) -> list[str]:
 
 class S3Store(ObjectStore):
     records_checksums = True
+    checks_bodies = True
 
     def __init__(self, url: StoreURL, options: S3Options | None = None, *, gate: Aimd | None = None) -> None:
         if not url.is_s3:
@@ -254,12 +257,15 @@ class S3Store(ObjectStore):
 
     # -- writing ------------------------------------------------------------------------------------
     def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None) -> ObjectInfo:
+              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
         crc = crc or crc64_bytes(data)
         full = self._key(key)
+        # Content-MD5, as rclone sends it: every S3 server checks it (AWS also checks the CRC64NVME, but
+        # several S3-compatible servers, rclone's among them, ignore that header).
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode() if server_check else None
         headers = self.retrier.call(f"{self.bucket}/{full}", self.http.put, full, data,
                                     metadata=object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc.tagged()),
-                                    checksum_crc64nvme_b64=crc.b64())
+                                    checksum_crc64nvme_b64=crc.b64(), content_md5_b64=md5)
         etag = (headers.get("ETag") or "").strip('"') or None
         return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(), etag=etag)
 

@@ -152,6 +152,10 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
             )
         if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
             return AccessDeniedError(f"access denied to {what} at {where}", hint="check the credentials' permissions")
+        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "BadChecksum"):
+            # The body arrived different from what was sent (its MD5 or checksum did not match): sending it
+            # again can work, and nothing was stored.
+            return RetryableError(f"{what}: the server received different bytes than were sent at {where} ({code})")
         if code in ("InvalidRange",) or status == 416:
             return UsageError(f"{what}: requested range is outside the object")
         if status >= 500 or status in THROTTLE_STATUS or code in RETRY_CODES:

@@ -253,13 +253,15 @@ class SignedS3Client:
             raise
 
     def put(self, key: str, body: bytes | bytearray | memoryview, *, metadata: Mapping[str, str],
-            checksum_crc64nvme_b64: str | None) -> Headers:
+            checksum_crc64nvme_b64: str | None, content_md5_b64: str | None = None) -> Headers:
         """Write ``body`` as the whole object ``key`` with user ``metadata`` (``x-amz-meta-NAME``: ASCII names
         and values); with ``checksum_crc64nvme_b64`` the server checks the body against it and keeps it.
         No ``Expect: 100-continue``: the body is sent right behind the headers."""
         headers = {"Content-Length": str(memoryview(body).nbytes)}
         if checksum_crc64nvme_b64 is not None:
             headers["x-amz-checksum-crc64nvme"] = checksum_crc64nvme_b64
+        if content_md5_b64 is not None:  # the server refuses (400 BadDigest) a body whose MD5 differs
+            headers["Content-MD5"] = content_md5_b64
         for name, value in metadata.items():
             if not (name.isascii() and value.isascii() and name.isprintable() and value.isprintable()):
                 raise ValueError(f"S3 metadata must be printable ASCII, got {name!r}: {value!r}")
