@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-from lingctl import __version__
 from lingctl.commands.babel import app as babel_app
 from lingctl.commands.flood import app as flood_app
 from lingctl.commands.pcache import app as pcache_app
@@ -33,6 +32,8 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
+        from lingctl import __version__
+
         typer.echo(f"lingctl {__version__}")
         raise typer.Exit()
 

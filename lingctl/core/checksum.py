@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import BinaryIO
-
-from awscrt import checksums as _crt
+from typing import Any, BinaryIO
 
 ALGORITHM = "crc64nvme"
 _CHUNK = 8 << 20
+
+
+_checksums: Any = None
+
+
+def _crt() -> Any:
+    """awscrt's checksum module, imported on first use: loading its native library costs ~40 ms, which a
+    command that computes no checksum (a listing, a no-op re-sync) should not pay at start-up."""
+    global _checksums
+    if _checksums is None:
+        from awscrt import checksums
+
+        _checksums = checksums
+    return _checksums
 
 
 class Crc64:
@@ -27,12 +39,12 @@ class Crc64:
         self.length = length
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self.value = _crt.crc64nvme(data, self.value)
+        self.value = _crt().crc64nvme(data, self.value)
         self.length += len(data)
 
     def extend(self, other: "Crc64") -> None:
         """Append the CRC of the bytes that follow (a later part computed elsewhere, in parallel)."""
-        self.value = _crt.combine_crc64nvme(self.value, other.value, other.length)
+        self.value = _crt().combine_crc64nvme(self.value, other.value, other.length)
         self.length += other.length
 
     def b64(self) -> str:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lingctl import __version__
 from lingctl.core.checksum import crc64_bytes
 from lingctl.core.errors import AccessDeniedError, LingctlError, UsageError, VerificationError
 from lingctl.core.local_s3 import find_rclone
@@ -268,6 +267,8 @@ def probe_store(store: ObjectStore, size: int) -> ProbeResult:
 def run_doctor(*, s3: S3Options, disk_path: Path, probe_url: str | None = None, probe_size: int = 8 << 20) -> DoctorReport:
     checks = [check_python(), check_torch(), check_nvml(), check_cpu_memory(), check_disk(disk_path), check_rclone(),
               check_s3_endpoint(s3)]
+    from lingctl import __version__
+
     report = DoctorReport(lingctl=__version__, checks=checks)
     if probe_url is not None:
         try:

@@ -94,7 +94,7 @@ def test_payload_hash_in_the_signature(s3_server: LocalS3Server, s3_bucket: str)
     sent: list[str | None] = []
 
     def record(request: FaultRequest) -> None:
-        sent.append(request.headers.get("X-Amz-Content-SHA256"))
+        sent.append({k.lower(): v for k, v in request.headers.items()}.get("x-amz-content-sha256"))
 
     with FaultProxy(s3_server.endpoint, rule=record) as proxy, \
             SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client:

@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote_plus, urlparse
 
 from lingctl.core.errors import UsageError
 from lingctl.core.names import printable
+from lingctl.core.storage import sigv4
 from lingctl.core.storage.crawl import Crawl, Listed
 from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
 from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, translate
@@ -180,7 +181,6 @@ class S3Lister:
         options.validate()
         self.gate = gate or Aimd(jobs)
         import botocore.exceptions
-        import botocore.session
         import urllib3
 
         self.bucket = url.bucket
@@ -192,19 +192,16 @@ class S3Lister:
         endpoint = options.resolved_endpoint()
         # Only for messages and logs, so redacted: a URL can carry a password typed into it.
         self.endpoint = redact_url(endpoint) if endpoint else ""
-        # botocore's session, not boto3's: the same credentials and region, without importing boto3 (and
-        # s3transfer), which a process that only lists would otherwise pay for at start-up.
+        # lingctl's own SigV4 (sigv4.py): the same credentials and region as botocore resolves them, without
+        # importing boto3 or botocore's signer, which a process that only lists would pay for at start-up.
         try:
-            session = botocore.session.Session(profile=options.profile)
-            region = session.get_config_variable("region")
-            self.credentials = session.get_credentials()
+            credentials, self.region = sigv4.resolve(options.profile, options.region)
         except botocore.exceptions.ProfileNotFound:
             raise UsageError(f"AWS profile {options.profile!r} not found",
                              hint="check ~/.aws/config or AWS_PROFILE") from None
-        if self.credentials is None:
+        if credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), self.bucket, self.endpoint, 1)
-        # The same resolution as lingctl.core.storage.s3.make_client, so both reach the same server.
-        self.region = options.region or os.environ.get("AWS_REGION") or region or "us-east-1"
+        self.signer = sigv4.Signer(credentials, self.region)
         path_style = options.path_style if options.path_style is not None else endpoint is not None
         if endpoint is None:
             suffix = "amazonaws.com.cn" if self.region.startswith("cn-") else "amazonaws.com"
@@ -216,6 +213,8 @@ class S3Lister:
             self.base = f"{endpoint}/{quote(self.bucket, safe='')}"
         else:
             self.base = f"{parsed.scheme}://{self.bucket}.{parsed.netloc}{parsed.path or '/'}"
+        base = urlparse(self.base)
+        self._host, self._path = base.netloc, base.path or "/"
         timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
         kwargs: dict[str, Any] = {"maxsize": jobs, "timeout": timeout}
         if parsed.scheme == "https":
@@ -328,8 +327,6 @@ class S3Lister:
     def _get(self, params: dict[str, str], what: str, crawl: Crawl) -> _Page:
         import botocore.exceptions as bx
         import urllib3
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
 
         # Encoded exactly as SigV4 canonicalises it, so the signed query is the one sent.
         query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
@@ -341,8 +338,7 @@ class S3Lister:
                 # Exponential backoff with full jitter, so parallel workers do not retry in step.
                 if crawl.stopped.wait(backoff(attempt - 1)):
                     break
-            request = AWSRequest(method="GET", url=url)
-            S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
+            headers = self.signer.sign("GET", self._path, query, {"Host": self._host}, sigv4.EMPTY_SHA256)
             crawl.count(requests=1)
             self.gate.acquire()
             throttled = False
@@ -351,7 +347,7 @@ class S3Lister:
                 concurrency = self._inflight
             started = time.monotonic()
             try:
-                resp = self.http.request("GET", url, headers=dict(request.headers.items()), retries=False)
+                resp = self.http.request("GET", url, headers=headers, retries=False)
                 body = resp.data.decode("utf-8", errors="replace")
             except urllib3.exceptions.HTTPError as exc:
                 throttled = True  # a dropped connection means "slow down", as in retry.is_throttle

@@ -3,7 +3,7 @@
 boto3's client spends far more CPU per request than the request itself costs the server: building the
 request from the service model, a dozen event hooks, response parsing into dicts and datetimes, checksum
 plumbing. Copying thousands of small objects pays that thousands of times. This client keeps only what the
-wire needs: the URL, SigV4 headers (botocore's ``S3SigV4Auth``, with credentials and region resolved as
+wire needs: the URL, SigV4 headers (``sigv4``, lingctl's own signer, with credentials and region resolved as
 ``make_client`` resolves them), one request on a shared, thread-safe urllib3 pool, and the answer's status,
 headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
 
@@ -25,7 +25,8 @@ SHA-256 would add protection against deliberate tampering on a plain-http path, 
 MiB (12 us per 16 KiB PUT, 0.5 s for a 600 MB copy). Note that ``rclone serve s3`` (v1.75) checks neither
 the SHA-256 nor the CRC64NVME of a body, only Content-MD5.
 
-Importing this module imports botocore (about 0.15 s): import it where S3 is actually used.
+Importing this module imports urllib3 and botocore's exception classes (not its signer or session): import it
+where S3 is actually used.
 """
 
 from __future__ import annotations
@@ -42,16 +43,14 @@ from urllib.parse import quote, urlsplit
 
 import botocore.exceptions
 import urllib3
-from botocore.auth import UNSIGNED_PAYLOAD, S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 
 from lingctl.core.errors import UsageError
+from lingctl.core.storage import sigv4
 from lingctl.core.storage.s3_client import S3Options, translate
 
 Headers = Mapping[str, str]  # case-insensitive (urllib3's HTTPHeaderDict)
 
 META_PREFIX = "x-amz-meta-"
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _CODE_RE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE_RE = re.compile(r"<Message>([^<]*)</Message>")
 # Buckets that can be a DNS label under the endpoint's host; others go path style, as botocore's "auto" does.
@@ -123,14 +122,6 @@ def _dns_compatible(bucket: str) -> bool:
     return _DNS_BUCKET_RE.match(bucket) is not None and "--" not in bucket[2:4]
 
 
-class _Signer(S3SigV4Auth):
-    """botocore's S3 SigV4 signer with the payload hash decided by the client (``request.context``), so the
-    body is never handed to botocore, which would copy or re-hash it."""
-
-    def payload(self, request: Any) -> str:
-        return request.context["payload_hash"]
-
-
 class SignedS3Client:
     """Objects of one bucket over signed HTTP requests. Keys are full object keys (no store prefix added).
 
@@ -145,19 +136,17 @@ class SignedS3Client:
         self.bucket = bucket
         endpoint = options.resolved_endpoint()
         self.endpoint = endpoint or ""  # for messages; resolved_endpoint has no user info in it
-        import botocore.session
-
         try:
-            session = botocore.session.Session(profile=options.profile)
             # The same resolution as make_client: AWS_REGION, then AWS_DEFAULT_REGION or the profile's region.
-            region = options.region or os.environ.get("AWS_REGION") or session.get_config_variable("region")
-            self.credentials: Any = None if unsigned else session.get_credentials()
+            credentials, region = sigv4.resolve(options.profile, options.region)
         except botocore.exceptions.ProfileNotFound:
             raise UsageError(f"AWS profile {options.profile or os.environ.get('AWS_PROFILE')!r} not found",
                              hint="check ~/.aws/config or AWS_PROFILE") from None
+        self.credentials: Any = None if unsigned else credentials
         if not unsigned and self.credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), bucket, self.endpoint, 1)
-        self.region: str = region or "us-east-1"
+        self.region: str = region
+        self._signer = sigv4.Signer(self.credentials, region) if self.credentials is not None else None
         path_style = options.path_style if options.path_style is not None else endpoint is not None
         if endpoint is None:
             suffix = "amazonaws.com.cn" if self.region.startswith("cn-") else "amazonaws.com"
@@ -284,16 +273,14 @@ class SignedS3Client:
         if self.credentials is not None:
             headers["Host"] = self.host
             if body is None:
-                payload = _EMPTY_SHA256
+                payload = sigv4.EMPTY_SHA256
             elif self.sign_payload or (self.sign_payload is None and not self._https
                                        and "x-amz-checksum-crc64nvme" not in headers):
                 payload = hashlib.sha256(body).hexdigest()
             else:
-                payload = UNSIGNED_PAYLOAD
-            request = AWSRequest(method=method, url=self._origin + target, headers=headers)
-            request.context["payload_hash"] = payload
-            _Signer(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
-            headers = dict(request.headers.items())
+                payload = sigv4.UNSIGNED_PAYLOAD
+            path, _, query = target.partition("?")
+            headers = self._signer.sign(method, path, query, headers, payload)
         headers["User-Agent"] = self._user_agent  # after signing: never signed, so proxies may rewrite it
         try:
             if self._absolute:
