@@ -260,8 +260,10 @@ def test_int8_run_answers_with_peak_memory_within_its_plan(lite_run) -> None:
     assert all(len(a["response"]["body"]["choices"][0]["token_ids"]) == 4 for a in answers)
     plan, peak = summary["plan_total_bytes"], summary["peak_rss_bytes"]
     assert plan == summary["plan"]["total_bytes"] > summary["plan"]["weights_bytes"] > 0
-    # within 10% above, and not padded: the plan is what the process really holds
-    assert 0.7 * plan <= peak <= 1.10 * plan, (peak / plan, summary["plan"])
+    # within 10% above, and not padded: the plan is what the process really holds. Identical runs of this
+    # 1 GB model differ by up to ~50 MiB of peak RSS (allocator and shared-library pages), 5% at this size,
+    # so the bound has a fixed 64 MiB on top; at real size (bench/flood_real_size.py) it is 1%.
+    assert 0.7 * plan <= peak <= 1.10 * plan + (64 << 20), (peak / plan, summary["plan"])
 
 
 def test_int8_run_reads_each_needed_byte_once(lite_run, lite_ckpt) -> None:
