@@ -193,11 +193,19 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     if rc == 0:
         return 0
     # The workers printed their own one-line errors; the launcher's report (a traceback and a table) was
-    # held back. Exit with the first failed worker's code (2 bad settings, 3 not found, ...).
-    code = next((c for c in codes if c > 0), 1)
+    # held back.
+    code = job_exit_code(codes)
     sys.stderr.write(f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
                      "hint: its error is above; LINGCTL_DEBUG=1 shows the launcher's full report\n")
     return code
+
+
+def job_exit_code(codes: list[int]) -> int:
+    """The job's exit code from its failed workers' codes (the launcher's root cause first): the first failed
+    worker's code (2 bad settings, 3 not found, ...). A worker whose peer stopped fails too, with code 1, and
+    may be the first observed; a more specific code from another worker says more."""
+    failed = [c for c in codes if c > 0]
+    return next((c for c in failed if c != 1), failed[0] if failed else 1)
 
 
 # torchrun's own log lines ("W1202 16:29:24.788000 7255 torch/distributed/...") and its failure report.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from lingctl.core.errors import UsageError
 from lingctl.train.data import BatchOrder
-from lingctl.train.workers import launch_argv, strided_rows, worker_args
+from lingctl.train.workers import _relay, job_exit_code, launch_argv, strided_rows, worker_args
 
 
 def test_workers_read_disjoint_rows_that_together_are_the_global_order() -> None:
@@ -38,3 +39,36 @@ def test_the_launch_line_keeps_every_train_option_but_the_launchers_own() -> Non
     assert cmd[cmd.index("-m", 3):][:3] == ["-m", "lingctl", "train"]
     with pytest.raises(UsageError, match="--max-restarts must be >= 0"):
         launch_argv(2, -1, [])
+
+
+# The tail of torchrun's failure report when worker 1 saw its peer go before worker 0's own exit was observed.
+REPORT = """lingctl: error: worker 1: another worker stopped during a collective
+lingctl: error: data path not found: /data/missing
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+lingctl FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_11:00:01
+  rank      : 0 (local_rank: 0)
+  exitcode  : 3 (pid: 101)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_11:00:00
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 102)
+============================================================
+"""
+
+
+def test_the_job_exits_with_the_failed_workers_own_code_not_its_peers(capsys) -> None:
+    codes: list[int] = []
+    _relay(io.StringIO(REPORT), codes)
+    assert codes == [1, 3]  # the root cause first, as torchrun observed it
+    assert job_exit_code(codes) == 3
+    out = capsys.readouterr().err
+    assert "data path not found" in out and "Traceback" not in out and "exitcode" not in out
+    assert job_exit_code([1, 1]) == 1 and job_exit_code([]) == 1 and job_exit_code([-9, 2]) == 2
