@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
-from lingctl.core.doctor import DoctorReport, run_doctor
 from lingctl.core.errors import UsageError
 from lingctl.core.output import Output
 from lingctl.core.units import parse_size
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from lingctl.core.doctor import DoctorReport
 
 _MAX_PROBE = 1 << 30
 _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
@@ -37,6 +39,9 @@ def doctor(
 
     Exits with the code of the first failed check (5: endpoint unreachable, 3: bucket missing, 1: credentials).
     """
+    # Loaded here, not at start-up: every lingctl command imports this module to register `doctor`.
+    from lingctl.core.doctor import run_doctor
+
     out = Output(json)
     size = parse_size(probe_size)
     if size > _MAX_PROBE:
@@ -49,6 +54,8 @@ def doctor(
 
 
 def _render(report: DoctorReport, console: Console) -> None:
+    from rich.table import Table
+
     table = Table(title=f"lingctl {report.lingctl}", show_header=False, box=None, pad_edge=False)
     for check in report.checks:
         table.add_row(check.name, f"[{_STYLE[check.status]}]{_MARK[check.status]}[/]", check.detail)

@@ -9,7 +9,6 @@ import typer
 
 from lingctl.commands.options import JsonOpt
 from lingctl.commands.pcache_tier import status, upload
-from lingctl.core.config import build
 from lingctl.core.output import Output, to_jsonable
 
 app = typer.Typer(help="Plan and run checkpoint writes spread across nodes, tiered to remote storage.",
@@ -60,6 +59,7 @@ def plan(
 ) -> None:
     """Who writes which checkpoint bytes: rank-0 writers, DCP's default planner and the lingctl plan,
     against the lower bound, with bytes per rank and node, estimated save time and staging memory."""
+    from lingctl.core.config import build  # tomllib and the config layer load only for this command
     from lingctl.pcache.compare import PlanSettings, plan as make_plan
 
     overrides = {

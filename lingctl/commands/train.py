@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, s3_options
-from lingctl.core.config import parse_override
 from lingctl.core.errors import Interrupted
 from lingctl.core.output import Output, to_jsonable
 from lingctl.model.presets import PRESETS
@@ -109,6 +108,7 @@ def train(
 
         raise typer.Exit(launch(nproc, max_restarts, sys.argv[1:]))
     from lingctl.train.run import train as run_training  # torch loads only when training
+    from lingctl.core.config import parse_override  # the TOML reader too: not needed at start-up
 
     # Several workers: rank 0 speaks for the job; the others print only their errors (lingctl.cli does).
     if os.environ.get("RANK", "0") == "0":

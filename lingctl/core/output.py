@@ -19,24 +19,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import PurePath
-from typing import Any, TextIO
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, TextIO
 
 from lingctl.core.units import format_size
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 
 def to_jsonable(value: Any) -> Any:
@@ -93,14 +84,6 @@ class _Task:
         self._progress.update(self._id, **kwargs)
 
 
-class _BinarySpeedColumn(ProgressColumn):
-    """Transfer speed in KiB/s, MiB/s (Rich's own column has only decimal units)."""
-
-    def render(self, task: Any) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("?" if speed is None else f"{format_size(speed)}/s", style="progress.data.speed")
-
-
 class Output:
     """Where a command's results, messages and progress go. Build one per command invocation."""
 
@@ -108,11 +91,25 @@ class Output:
         self.json_mode = json_mode
         self._stdout = stdout if stdout is not None else sys.stdout
         self._stderr = stderr if stderr is not None else sys.stderr
+
+    # The consoles are built on first use: Rich costs ~30 ms of start-up to import, and a --json run
+    # only needs one for a warning.
+    @cached_property
+    def console(self) -> Console:
+        """Rich console on stdout, for human renderings."""
+        from rich.console import Console
+
         # soft_wrap: never break long keys or paths across lines in captured output.
         # Off a terminal Rich would wrap tables at 80 columns; files and pipes get wide lines instead.
         wide = None if self._stdout.isatty() else 160
-        self.console = Console(file=self._stdout, soft_wrap=True, highlight=False, width=wide)
-        self.err = Console(file=self._stderr, soft_wrap=True, highlight=False)
+        return Console(file=self._stdout, soft_wrap=True, highlight=False, width=wide)
+
+    @cached_property
+    def err(self) -> Console:
+        """Rich console on stderr, for messages and progress bars."""
+        from rich.console import Console
+
+        return Console(file=self._stderr, soft_wrap=True, highlight=False)
 
     # -- results (stdout) ---------------------------------------------------------------------------
     def result(self, data: Any, human: Callable[[Console], None] | str | None = None) -> None:
@@ -172,13 +169,13 @@ class Output:
         if not (self.progress_enabled or force):
             yield _NoProgress()
             return
-        if unit == "bytes":
-            speed = _BinarySpeedColumn() if binary_units else TransferSpeedColumn()
-            columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=binary_units),
-                       speed, TimeRemainingColumn()]
-        else:
-            columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                       TimeRemainingColumn()]
+        # Rich loads here, only when a bar is drawn.
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from lingctl.core.output_progress import progress_columns
+
+        columns = progress_columns(unit, binary_units)
         console = self.err
         if force and not self._stderr.isatty():
             console = Console(file=self._stderr, soft_wrap=True, highlight=False, force_terminal=True)
