@@ -57,6 +57,9 @@ BLOCK = 64 * MiB  # the random block that file contents are cut from
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+SECTIONS = ("startup", "list", "copy", "noop", "verify", "big")
+
+
 class BenchError(RuntimeError):
     pass
 
@@ -550,11 +553,23 @@ def versions(runner: Runner) -> dict:
 def bench(args: argparse.Namespace) -> dict:
     plan = Plan.at(args.scale)
     base = Path(args.tmpdir or tempfile.gettempdir())
+    if args.big_gib is not None:
+        plan = dataclasses.replace(plan, big_blocks=max(1, round(args.big_gib * GiB / BLOCK)))
+    only = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if not only <= set(SECTIONS):
+        raise BenchError(f"--only takes sections among {', '.join(SECTIONS)}, got {args.only!r}")
+    if "big" not in only:
+        plan = dataclasses.replace(plan, big_blocks=0)
+    if not only & {"list"}:
+        plan = dataclasses.replace(plan, list_dirs=0, list_flat=0)
+    if not only & {"copy", "noop", "verify"}:
+        plan = dataclasses.replace(plan, small=0, medium=0, large=0)
     need, free = needed_bytes(plan, args.copy_rounds), shutil.disk_usage(base).free
     if free < need * 1.2:
         raise BenchError(f"{base} has {free / GiB:.1f} GiB free; this run needs about {need / GiB:.1f} GiB "
                          "(use --scale or --tmpdir)")
     results: dict = {"settings": {"scale": args.scale, "rounds": args.rounds, "copy_rounds": args.copy_rounds,
+                                  "only": sorted(only),
                                   "seed": args.seed, "lingctl_jobs": 16, "rclone_flags": RCLONE_COPY_FLAGS,
                                   "plan": dataclasses.asdict(plan)}}
     timings: dict[str, float] = {}
@@ -587,6 +602,8 @@ def bench(args: argparse.Namespace) -> dict:
                 ("big", lambda: bench_big(runner, big_dir, big_size, args.rounds)),
             )
             for name, step in steps:
+                if name not in only:
+                    continue
                 t = time.perf_counter()
                 rows.extend(step())
                 timings[f"{name}_s"] = round(time.perf_counter() - t, 1)
@@ -665,6 +682,8 @@ def main() -> None:
     parser.add_argument("--copy-rounds", type=int, default=3, help="rounds of the cold copies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmpdir", help="where the temporary data goes (default: the system's, /tmp)")
+    parser.add_argument("--big-gib", type=float, help="size of the large file in GiB (default 1, scaled)")
+    parser.add_argument("--only", help=f"comma-separated sections to run, among {','.join(SECTIONS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print all figures as JSON")
     parser.add_argument("--save", metavar="PATH", help="also write all figures as JSON to PATH")
     args = parser.parse_args()

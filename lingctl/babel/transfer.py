@@ -63,7 +63,8 @@ def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Jour
                 on_restart: Notify | None = None, server_check: bool = False) -> tuple[Item, Done, bool]:
     """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
     the copy), what the journal records for it, and whether the destination's server checked the body it
-    received (``server_check`` on a store that ``checks_bodies``, for an object sent in one request). Raises
+    received (``server_check`` on a store that ``checks_bodies``: every request of this copy carried the
+    body's MD5, as rclone sends it, for the server to check). Raises
     on failure (nothing half-visible)."""
     for attempt in range(1, SOURCE_ATTEMPTS + 1):
         try:
@@ -103,7 +104,10 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
         raise UsageError(f"{dst.describe()} cannot take objects in parts; {item.key} needs {psize}-byte parts")
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
-            return _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed), False
+            done, resumed = _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed,
+                                            server_check)
+            # Parts sent by an earlier run may have gone without Content-MD5: such an object is read back.
+            return done, server_check and dst.checks_bodies and not resumed
         except UploadGoneError as exc:
             # Forget the dead id (its parts went with it) so this attempt, or the next run, starts a new one.
             journal.end_upload(item.key, None)
@@ -116,7 +120,9 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
 
 
 def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUploads, item: Item, psize: int,
-                    journal: Journal, pool: ThreadPoolExecutor, on_resumed: Notify | None) -> Done:
+                    journal: Journal, pool: ThreadPoolExecutor, on_resumed: Notify | None,
+                    server_check: bool = False) -> tuple[Done, bool]:
+    """The copy's journal record, and whether parts sent by an earlier run were kept."""
     key = item.key
     pin = item.version
     count = math.ceil(item.size / psize)
@@ -146,7 +152,7 @@ def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUpload
         if len(data) != length:
             raise RetryableError(f"{key}: short read of part {number} ({len(data)} of {length} bytes)")
         crc = crc64_bytes(data)
-        etag = uploads.put_part(key, upload_id, number, offset, data)
+        etag = uploads.put_part(key, upload_id, number, offset, data, server_check=server_check)
         if resumable:
             journal.add_part(key, upload_id, number, etag, crc.value, crc.length)
         return number, etag, crc
@@ -182,7 +188,7 @@ def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUpload
     done = Done(item.size, item.mtime, total.tagged(), completed.etag, completed.mtime)
     if resumable:
         journal.end_upload(key, done)
-    return done
+    return done, bool(finished)
 
 
 # Reads of one large object's ranges run side by side: a single big file should not verify at the speed

@@ -354,3 +354,35 @@ def test_a_put_body_damaged_in_transit_is_refused_by_the_server_and_sent_again(t
                          verify="none").run()
     assert result.failed == [] and result.retries == 0
     assert s3_tree(s3_bucket, "nocheck/")["a.bin"] != data  # what --verify none risks
+
+
+def test_a_part_damaged_in_transit_is_refused_and_no_part_is_read_back(tmp_path, s3_bucket, s3_server, s3_env):
+    """A multipart copy with the default verification sends each part's Content-MD5: a part that arrives with
+    one byte changed is refused and sent again; the object is not read back (no GET), since the server
+    checked every byte it stored."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(12 * MiB)
+    (src / "big.bin").write_bytes(data)
+    flipped: list[int] = []
+
+    def flip_second_part(r: FaultRequest):
+        if _is_upload_part(r) and "partNumber=2" in r.query and not flipped:
+            flipped.append(r.number)
+            return "flip"
+        return None
+
+    gets: list[str] = []
+
+    def rule(r: FaultRequest):
+        if r.method == "GET" and "big.bin" in r.path:
+            gets.append(r.query)
+        return flip_second_part(r)
+
+    with FaultProxy(s3_server.endpoint, rule=rule) as proxy:
+        result = _syncer(str(src), f"s3://{s3_bucket}/parts-md5", proxy.endpoint, tmp_path / "state",
+                         part_size=5 * MiB).run()
+        assert proxy.stats["injected_flip"] == 1
+    assert result.failed == [] and result.copied == 1 and result.retries == 1 and result.verified == 1
+    assert gets == []
+    assert s3_tree(s3_bucket, "parts-md5/") == {"big.bin": data}

@@ -203,3 +203,31 @@ def test_addressing(s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # AWS itself: virtual hosts under the region's endpoint
     aws = SignedS3Client(S3Options(region="eu-west-1"), "bkt", unsigned=True)
     assert aws.url("k") == "https://bkt.s3.eu-west-1.amazonaws.com/k"
+
+
+def test_multipart_upload_complete_abort_and_a_wrong_part_digest(client: SignedS3Client, s3_server: LocalS3Server,
+                                                                 s3_bucket: str) -> None:
+    import base64
+
+    part1, part2 = os.urandom(5 << 20), os.urandom(1000)
+    md5 = base64.b64encode(hashlib.md5(part1).digest()).decode()
+    refused_id = client.create_multipart("mp/refused", metadata={})
+    with pytest.raises(S3HTTPError) as refused:  # the digest of other bytes: the server refuses the part
+        client.upload_part("mp/refused", refused_id, 1, part2, content_md5_b64=md5)
+    assert refused.value.status == 400 and refused.value.code == "BadDigest"
+    # (rclone serve s3 then forgets that upload: babel's copy starts a new one, UploadGoneError.)
+    upload_id = client.create_multipart("mp/obj", metadata={"mtime": "12.5"})
+    tags = [(1, client.upload_part("mp/obj", upload_id, 1, part1, content_md5_b64=md5)),
+            (2, client.upload_part("mp/obj", upload_id, 2, part2))]
+    assert tags[1][1] == hashlib.md5(part2).hexdigest()
+    assert client.complete_multipart("mp/obj", upload_id, tags)
+    body, headers = client.get("mp/obj")
+    assert body == part1 + part2 and user_metadata(headers) == {"mtime": "12.5"}
+    # An aborted upload leaves no object; the id is then unknown to the server.
+    gone = client.create_multipart("mp/aborted", metadata={})
+    client.upload_part("mp/aborted", gone, 1, part2)
+    client.abort_multipart("mp/aborted", gone)
+    assert client.head("mp/aborted") is None
+    with pytest.raises(S3HTTPError) as unknown:
+        client.upload_part("mp/aborted", gone, 2, part2)
+    assert unknown.value.code == "NoSuchUpload" or unknown.value.status == 404

@@ -59,9 +59,11 @@ class MultipartUploads(ABC):
         to the nanosecond) and ``crc`` are recorded with the object."""
 
     @abstractmethod
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
+                 server_check: bool = False) -> str:
         """Write part ``number`` (1-based) at ``offset``; returns the part's tag for ``complete``.
-        ``UploadGoneError`` when the store no longer knows the upload."""
+        ``UploadGoneError`` when the store no longer knows the upload. ``server_check``: on a store that
+        ``checks_bodies``, the server refuses a part that did not arrive as sent (a retryable error)."""
 
     @abstractmethod
     def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,

@@ -17,12 +17,13 @@ before every reuse, per-request timeout and URL objects. This client keeps what 
 
 There are no retries: each call sends its request once, and the caller's retry policy sees every failure, as ``WireError`` (no
 complete answer; ``cause`` holds the operating system's error when there was one). Proxies are not handled
-here; the caller uses urllib3 for a proxied endpoint.
+here (``proxy_for`` says when one applies); the callers use urllib3 for a proxied endpoint.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 import ssl
@@ -236,6 +237,19 @@ class Pool:
             raise WireError(_oserror_name(exc), exc) from exc
         keep = cut_short is None and whole and "close" not in headers.get("Connection", "").lower()
         return Reply(status, reason, headers, data), keep
+
+
+def proxy_for(scheme: str, host: str) -> str | None:
+    """The proxy that requests to ``scheme://host`` go through per the environment (``https_proxy`` or
+    ``http_proxy``, and ``no_proxy``, as ``urllib.request`` reads them), or None for a direct connection."""
+    if not any(name.lower() == f"{scheme}_proxy" for name in os.environ):
+        return None  # the common case, without importing urllib.request (~6 ms)
+    import urllib.request
+
+    proxy = urllib.request.getproxies().get(scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        return str(proxy)
+    return None
 
 
 def _alive(conn: _Connection) -> bool:

@@ -264,7 +264,8 @@ class _LocalUploads(MultipartUploads):
             raise UsageError(f"{upload_id!r} is not an upload of {self.store.root}")
         return self.store.path(key).parent / upload_id
 
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
+                 server_check: bool = False) -> str:
         tmp = self._tmp(key, upload_id)
         try:
             fd = os.open(tmp, os.O_WRONLY)

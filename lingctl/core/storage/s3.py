@@ -5,10 +5,10 @@ retrier sees every failure and can lower concurrency on throttling). Recursive l
 parallel lister of ``s3_listing``; everything else is a boto3 call. What is recorded with each object (the
 CRC64NVME, the source mtime in lingctl's and rclone's keys) is written and parsed by ``metadata``.
 
-The per-object requests that a tree of small files repeats thousands of times (GET, HEAD, PUT, DELETE) go
-through ``signed_http``'s client instead of boto3's: the same SigV4 signing and the same errors (botocore's
-exception types), at about a third of boto3's CPU per request. Bucket checks, non-recursive listings,
-streaming downloads and multipart control requests stay on boto3.
+The per-object requests that a tree of files repeats thousands of times (GET, HEAD, PUT, DELETE, and the
+multipart requests: create, part, complete, abort) go through ``signed_http``'s client instead of boto3's:
+the same SigV4 signing and the same errors (botocore's exception types), at about a tenth of boto3's CPU per
+request. Non-recursive listings and streaming downloads stay on boto3.
 """
 
 from __future__ import annotations
@@ -319,47 +319,49 @@ class _S3Uploads(MultipartUploads):
 
     def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
                crc: str | None = None) -> str:
-        meta = object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc)
-        return self.store._obj(key, "create_multipart_upload", Metadata=meta)["UploadId"]
-
-    def _on_upload(self, key: str, upload_id: str, method: str, **kwargs: Any) -> Any:
         store = self.store
-        fn = getattr(store.client, method)
+        full = store._key(key)
+        meta = object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc)
+        return store.retrier.call(f"{store.bucket}/{full}", store.http.create_multipart, full, metadata=meta)
 
-        def call(**kw: Any) -> Any:
+    def _on_upload(self, key: str, upload_id: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        store = self.store
+
+        def call() -> Any:
             import botocore.exceptions
 
             try:
-                return fn(**kw)
+                return fn(full, upload_id, *args, **kwargs)
             except botocore.exceptions.ClientError as exc:
                 code = response_code(exc)
                 if code in ("NoSuchUpload", "InvalidPart") or response_status(exc) == 404:
-                    raise UploadGoneError(f"{store.bucket}/{store._key(key)}: the server no longer knows multipart "
+                    raise UploadGoneError(f"{store.bucket}/{full}: the server no longer knows multipart "
                                           f"upload {upload_id[:16]}... ({code or 404})") from exc
                 raise
 
         full = store._key(key)
-        return store.retrier.call(f"{store.bucket}/{full}", call, Bucket=store.bucket, Key=full, UploadId=upload_id,
-                                  **kwargs)
+        return store.retrier.call(f"{store.bucket}/{full}", call)
 
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
-        return self._on_upload(key, upload_id, "upload_part", PartNumber=number, Body=data)["ETag"]
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
+                 server_check: bool = False) -> str:
+        # Content-MD5 per part, as for a single PUT: the server refuses a part that arrived different.
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode() if server_check else None
+        return self._on_upload(key, upload_id, self.store.http.upload_part, number, data, content_md5_b64=md5)
 
     def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
                  mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
-        resp = self._on_upload(key, upload_id, "complete_multipart_upload",
-                               MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]})
+        etag = self._on_upload(key, upload_id, self.store.http.complete_multipart, parts)
         # Some servers list a multipart object under another ETag than CompleteMultipartUpload returned
         # (rclone's lists the MD5 of the stored file). One HEAD per large object records the one that
         # listings show, so re-syncs recognise the object without a HEAD each time.
         head = self.store.head(key)
-        etag = head.etag if head is not None else _etag(resp)
-        return ObjectInfo(key=key, size=head.size if head is not None else 0, mtime=time.time(), etag=etag,
+        return ObjectInfo(key=key, size=head.size if head is not None else 0, mtime=time.time(),
+                          etag=head.etag if head is not None else (etag or None),
                           checksum=head.checksum if head is not None else None)
 
     def abort(self, key: str, upload_id: str) -> None:
         try:
-            self.store._obj(key, "abort_multipart_upload", UploadId=upload_id)
+            self._on_upload(key, upload_id, self.store.http.abort_multipart)
         except LingctlError:
             pass  # an upload that is already gone needs no abort
 

@@ -1,7 +1,7 @@
 """S3 listing: signed ListObjectsV2 GETs, a regex parser, and adaptive splitting of the key space.
 
 botocore's paginator spends most of its time parsing timestamps with dateutil, so this lister sends its own
-signed requests (botocore's SigV4 signer, urllib3's pool) and parses the XML with compiled regexes. One
+signed requests (lingctl's SigV4 signer, ``http_wire``'s keep-alive pool) and parses the XML with compiled regexes. One
 prefix lists serially page by page, so the key space is split to list in parallel: every common prefix of a
 delimiter listing becomes its own task, and a prefix whose first page is truncated (a flat directory of
 many keys) is cut into StartAfter ranges that list side by side, each range splitting again when it is
@@ -29,7 +29,7 @@ from urllib.parse import quote, unquote_plus, urlparse
 
 from lingctl.core.errors import UsageError
 from lingctl.core.names import printable
-from lingctl.core.storage import sigv4
+from lingctl.core.storage import http_wire, sigv4
 from lingctl.core.storage.crawl import Crawl, Listed
 from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
 from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, translate
@@ -181,7 +181,6 @@ class S3Lister:
         options.validate()
         self.gate = gate or Aimd(jobs)
         import botocore.exceptions
-        import urllib3
 
         self.bucket = url.bucket
         self.prefix = f"{url.prefix}/" if url.prefix else ""
@@ -215,19 +214,25 @@ class S3Lister:
             self.base = f"{parsed.scheme}://{self.bucket}.{parsed.netloc}{parsed.path or '/'}"
         base = urlparse(self.base)
         self._host, self._path = base.netloc, base.path or "/"
-        timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
-        kwargs: dict[str, Any] = {"maxsize": jobs, "timeout": timeout}
+        ca_certs = None
         if parsed.scheme == "https":
             from botocore.httpsession import get_cert_path
 
-            kwargs["ca_certs"] = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
-        import urllib.request
+            ca_certs = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
+        proxy = http_wire.proxy_for(parsed.scheme, parsed.hostname or "")
+        self._wire: http_wire.Pool | None = None
+        self.http: Any = None
+        self._conn_errors: tuple[type[Exception], ...] = (http_wire.WireError,)
+        if proxy:
+            import urllib3  # only behind a proxy
 
-        proxy = urllib.request.getproxies().get(parsed.scheme)
-        if proxy and not urllib.request.proxy_bypass(parsed.hostname or ""):
-            self.http: Any = urllib3.ProxyManager(proxy, num_pools=2, **kwargs)
+            timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
+            self.http = urllib3.ProxyManager(proxy, num_pools=2, maxsize=jobs, timeout=timeout, ca_certs=ca_certs)
+            self._conn_errors += (urllib3.exceptions.HTTPError,)
         else:
-            self.http = urllib3.PoolManager(num_pools=2, **kwargs)
+            self._wire = http_wire.Pool(base.hostname or "", base.port or (443 if base.scheme == "https" else 80),
+                                        https=base.scheme == "https", connect_timeout=options.connect_timeout,
+                                        read_timeout=options.read_timeout, maxsize=jobs, ca_certs=ca_certs)
         # Range splitting stops for good when the server ignores start-after, or when parallel requests
         # gain it little: a server that re-reads a whole directory per request (rclone serve s3 does)
         # only does more work when one prefix is listed as many ranges.
@@ -240,7 +245,10 @@ class S3Lister:
         self._gain_proven = False
 
     def close(self) -> None:
-        self.http.clear()
+        if self._wire is not None:
+            self._wire.close()
+        else:
+            self.http.clear()
 
     # -- one page ---------------------------------------------------------------------------------------
     def page(self, r: Range, crawl: Crawl) -> None:
@@ -326,7 +334,6 @@ class S3Lister:
     # -- one request, with retries ----------------------------------------------------------------------
     def _get(self, params: dict[str, str], what: str, crawl: Crawl) -> _Page:
         import botocore.exceptions as bx
-        import urllib3
 
         # Encoded exactly as SigV4 canonicalises it, so the signed query is the one sent.
         query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
@@ -347,9 +354,12 @@ class S3Lister:
                 concurrency = self._inflight
             started = time.monotonic()
             try:
-                resp = self.http.request("GET", url, headers=headers, retries=False)
+                if self._wire is not None:
+                    resp = self._wire.request("GET", f"{self._path}?{query}", headers)
+                else:
+                    resp = self.http.request("GET", url, headers=headers, retries=False)
                 body = resp.data.decode("utf-8", errors="replace")
-            except urllib3.exceptions.HTTPError as exc:
+            except self._conn_errors as exc:
                 throttled = True  # a dropped connection means "slow down", as in retry.is_throttle
                 error = _connection_error(exc, url, bx)
                 log.debug("list %s: attempt %d: %s", printable(what), attempt, redact_url(str(exc)))
@@ -382,7 +392,13 @@ class S3Lister:
 
 
 def _connection_error(exc: Exception, url: str, bx: Any) -> Exception:
-    """The botocore exception that matches a urllib3 one, for ``translate``'s wording."""
+    """The botocore exception that matches a connection failure, for ``translate``'s wording."""
+    if isinstance(exc, http_wire.WireError):
+        if isinstance(exc.cause, TimeoutError):
+            return bx.ReadTimeoutError(endpoint_url=url)
+        if isinstance(exc.cause, ConnectionRefusedError) or exc.what == "cannot connect":
+            return bx.EndpointConnectionError(endpoint_url=url)
+        return bx.ConnectionClosedError(endpoint_url=url)
     import urllib3.exceptions as ux
 
     if isinstance(exc, ux.ConnectTimeoutError):

@@ -1,11 +1,11 @@
-"""S3 object requests (GET, HEAD, PUT, DELETE) as signed HTTP requests on urllib3's connection pool.
+"""S3 object requests (GET, HEAD, PUT, DELETE, multipart uploads) as signed HTTP requests on a keep-alive pool.
 
 boto3's client spends far more CPU per request than the request itself costs the server: building the
 request from the service model, a dozen event hooks, response parsing into dicts and datetimes, checksum
 plumbing. Copying thousands of small objects pays that thousands of times. This client keeps only what the
 wire needs: the URL, SigV4 headers (``sigv4``, lingctl's own signer, with credentials and region resolved as
-``make_client`` resolves them), one request on a shared, thread-safe urllib3 pool, and the answer's status,
-headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
+``make_client`` resolves them), one request on a shared, thread-safe connection pool (``http_wire``; urllib3's
+behind an http(s) proxy), and the answer's status, headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
 
 Each call sends exactly one request; there are no retries here, so the caller's retry and AIMD policy sees
 every failure. Failures come out as two exception types, both subclasses of botocore's, so the existing
@@ -25,8 +25,8 @@ SHA-256 would add protection against deliberate tampering on a plain-http path, 
 MiB (12 us per 16 KiB PUT, 0.5 s for a 600 MB copy). Note that ``rclone serve s3`` (v1.75) checks neither
 the SHA-256 nor the CRC64NVME of a body, only Content-MD5.
 
-Importing this module imports urllib3 and botocore's exception classes (not its signer or session): import it
-where S3 is actually used.
+Importing this module imports botocore's exception classes (not its signer or session; urllib3 only behind a
+proxy): import it where S3 is actually used.
 """
 
 from __future__ import annotations
@@ -35,27 +35,27 @@ import hashlib
 import html
 import os
 import re
-import urllib.request
 from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import botocore.exceptions
-import urllib3
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import http_wire, sigv4
 from lingctl.core.storage.s3_client import S3Options, translate
 
-Headers = Mapping[str, str]  # case-insensitive (urllib3's HTTPHeaderDict)
+Headers = Mapping[str, str]  # case-insensitive (http_wire.Headers, or urllib3's HTTPHeaderDict via a proxy)
 
 META_PREFIX = "x-amz-meta-"
 _CODE_RE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE_RE = re.compile(r"<Message>([^<]*)</Message>")
+_UPLOAD_ID_RE = re.compile(r"<UploadId>([^<]*)</UploadId>")
+_ETAG_RE = re.compile(r"<ETag>([^<]*)</ETag>")
 # Buckets that can be a DNS label under the endpoint's host; others go path style, as botocore's "auto" does.
 _DNS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
-_EMPTY_HEADERS = urllib3.HTTPHeaderDict()
+_EMPTY_HEADERS = http_wire.Headers()
 _REPLY_HEADERS = (("ContentLength", "Content-Length"), ("ETag", "ETag"), ("LastModified", "Last-Modified"),
                   ("ChecksumCRC64NVME", "x-amz-checksum-crc64nvme"), ("ChecksumType", "x-amz-checksum-type"),
                   ("ContentRange", "Content-Range"))
@@ -89,7 +89,7 @@ def _rebuild_http_error(status: int, code: str, message: str, operation: str, ke
 
 
 class S3ConnectionError(botocore.exceptions.EndpointConnectionError):
-    """No complete answer from ``endpoint_url``: ``error`` names what urllib3 saw (refused, reset, timeout,
+    """No complete answer from ``endpoint_url``: ``error`` names what happened (refused, reset, timeout,
     a body shorter than its Content-Length). Retryable; the request may or may not have taken effect."""
 
     fmt = 'No complete answer from the endpoint URL "{endpoint_url}": {error}'
@@ -164,15 +164,14 @@ class SignedS3Client:
         https = parts.scheme == "https"
         self._https = https
         self.sign_payload = sign_payload  # None: hash the body only over http and without a checksum header
-        timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
-        kwargs: dict[str, Any] = {"maxsize": max_connections, "timeout": timeout}
-        if https:
-            from botocore.httpsession import get_cert_path
-
-            kwargs["ca_certs"] = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
-        proxy = urllib.request.getproxies().get(parts.scheme)
+        ca_certs = _ca_certs() if https else None
+        proxy = http_wire.proxy_for(parts.scheme, parts.hostname or "")
         self._wire: http_wire.Pool | None = None
-        if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        if proxy:
+            import urllib3  # only behind a proxy: direct connections need none of it
+
+            timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
+            kwargs: dict[str, Any] = {"maxsize": max_connections, "timeout": timeout, "ca_certs": ca_certs}
             self._manager: Any = urllib3.ProxyManager(proxy, num_pools=1, **kwargs)
             # An http proxy takes the absolute URL as the request target; an https one is a tunnel.
             self._absolute = not https
@@ -184,7 +183,7 @@ class SignedS3Client:
             self._wire = http_wire.Pool(origin.hostname or "", origin.port or (443 if https else 80), https=https,
                                         connect_timeout=options.connect_timeout,
                                         read_timeout=options.read_timeout, maxsize=max_connections,
-                                        ca_certs=kwargs.get("ca_certs"))
+                                        ca_certs=ca_certs)
             self._absolute = False
         self._user_agent = f"lingctl/{_version()}"
 
@@ -261,15 +260,53 @@ class SignedS3Client:
             headers["x-amz-checksum-crc64nvme"] = checksum_crc64nvme_b64
         if content_md5_b64 is not None:  # the server refuses (400 BadDigest) a body whose MD5 differs
             headers["Content-MD5"] = content_md5_b64
-        for name, value in metadata.items():
-            if not (name.isascii() and value.isascii() and name.isprintable() and value.isprintable()):
-                raise ValueError(f"S3 metadata must be printable ASCII, got {name!r}: {value!r}")
+        for name, value in _checked_metadata(metadata).items():
             headers[META_PREFIX + name] = value
         return self._send("PUT", "PutObject", key, headers, body).headers
 
     def delete(self, key: str) -> None:
         """Remove ``key``; removing a key that does not exist succeeds, as S3 answers 204 either way."""
         self._send("DELETE", "DeleteObject", key, {}, None)
+
+    # -- multipart uploads --------------------------------------------------------------------------------
+    def create_multipart(self, key: str, *, metadata: Mapping[str, str]) -> str:
+        """CreateMultipartUpload with user ``metadata``; the new upload's id."""
+        headers = {META_PREFIX + name: value for name, value in _checked_metadata(metadata).items()}
+        resp = self._send("POST", "CreateMultipartUpload", key, headers, None, query="uploads=")
+        found = _UPLOAD_ID_RE.search(resp.data.decode("utf-8", errors="replace"))
+        if found is None:
+            raise S3HTTPError(status=resp.status, code="MalformedReply", message="no UploadId in the answer",
+                              operation="CreateMultipartUpload", key=key)
+        return html.unescape(found.group(1))
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray | memoryview, *,
+                    content_md5_b64: str | None = None) -> str:
+        """UploadPart ``number`` (1-based); the part's ETag, unquoted. With ``content_md5_b64`` the server
+        refuses (400 BadDigest) a part whose body arrived different."""
+        headers = {"Content-Length": str(memoryview(body).nbytes)}
+        if content_md5_b64 is not None:
+            headers["Content-MD5"] = content_md5_b64
+        resp = self._send("PUT", "UploadPart", key, headers, body,
+                          query=f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}")
+        return (resp.headers.get("ETag") or "").strip('"')
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> str:
+        """CompleteMultipartUpload from ``(number, etag)`` pairs in order; the object's ETag, unquoted.
+        S3 may answer 200 and still fail (an ``<Error>`` body, sent after a long assembly): that is raised."""
+        xml = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>\"{html.escape(e.strip(chr(34)))}\"</ETag></Part>"
+                      for n, e in parts)
+        body = f"<CompleteMultipartUpload>{xml}</CompleteMultipartUpload>".encode()
+        resp = self._send("POST", "CompleteMultipartUpload", key, {"Content-Length": str(len(body))}, body,
+                          query=f"uploadId={quote(upload_id, safe='-_.~')}")
+        text = resp.data.decode("utf-8", errors="replace")
+        if "<Error>" in text:
+            raise _http_error(resp, "CompleteMultipartUpload", key, status=500)
+        found = _ETAG_RE.search(text)
+        return html.unescape(found.group(1)).replace("&quot;", "").strip('"') if found else ""
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """AbortMultipartUpload; the parts sent so far are dropped."""
+        self._send("DELETE", "AbortMultipartUpload", key, {}, None, query=f"uploadId={quote(upload_id, safe='-_.~')}")
 
     def head_bucket(self) -> None:
         """HeadBucket: returns when the bucket exists and the credentials may use it; ``S3HTTPError`` 404 or
@@ -278,8 +315,10 @@ class SignedS3Client:
 
     # -- one request ------------------------------------------------------------------------------------
     def _send(self, method: str, operation: str, key: str, headers: dict[str, str],
-              body: bytes | bytearray | memoryview | None, *, target: str | None = None) -> Any:
+              body: bytes | bytearray | memoryview | None, *, target: str | None = None, query: str = "") -> Any:
         target = self._target(key) if target is None else target
+        if query:
+            target = f"{target}?{query}"
         headers["Host"] = self.host
         if self.credentials is not None:
             if body is None:
@@ -301,6 +340,8 @@ class SignedS3Client:
             if resp.status >= 300:
                 raise _http_error(resp, operation, key)
             return resp
+        import urllib3
+
         try:
             if self._absolute:
                 resp = self._manager.urlopen(method, self._origin + target, body=body, headers=headers,
@@ -317,12 +358,29 @@ class SignedS3Client:
         return resp
 
 
-def _http_error(resp: Any, operation: str, key: str) -> S3HTTPError:
+def _ca_certs() -> str | None:
+    """The CA bundle for https endpoints: ``AWS_CA_BUNDLE``, else botocore's (certifi's), as boto3 uses."""
+    if os.environ.get("AWS_CA_BUNDLE"):
+        return os.environ["AWS_CA_BUNDLE"]
+    from botocore.httpsession import get_cert_path
+
+    return get_cert_path(True)
+
+
+def _checked_metadata(metadata: Mapping[str, str]) -> Mapping[str, str]:
+    for name, value in metadata.items():
+        if not (name.isascii() and value.isascii() and name.isprintable() and value.isprintable()):
+            raise ValueError(f"S3 metadata must be printable ASCII, got {name!r}: {value!r}")
+    return metadata
+
+
+def _http_error(resp: Any, operation: str, key: str, *, status: int | None = None) -> S3HTTPError:
     text = resp.data.decode("utf-8", errors="replace") if resp.data else ""
     code_m, message_m = _CODE_RE.search(text), _MESSAGE_RE.search(text)
-    code = html.unescape(code_m.group(1)) if code_m else str(resp.status)
+    status = status or resp.status
+    code = html.unescape(code_m.group(1)) if code_m else str(status)
     message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
-    return S3HTTPError(status=resp.status, code=code, message=message, operation=operation, key=key,
+    return S3HTTPError(status=status, code=code, message=message, operation=operation, key=key,
                        request_id=resp.headers.get("x-amz-request-id"), headers=resp.headers)
 
 
