@@ -387,13 +387,13 @@ class Syncer:
         if self._fatal is not None:
             return  # the disk is full: this copy would fail the same way
         try:
-            # Sampled verification of an object sent in one request is the server's own check of its MD5
-            # (Content-MD5, as rclone sends it): the body it stored is the body that was read, and no
-            # read-back is needed. Multipart objects, local destinations and --verify full read back.
+            # Sampled verification of an object copied to S3 is the server's own check of the MD5 of each
+            # request's body (Content-MD5, as rclone sends it): the bytes it stored are the bytes that were
+            # read, and no read-back is needed. Local destinations and --verify full read back.
             item, done, checked = copy_object(self.src, self.dst, item, journal=self.journal,
                                               part_size=self.opts.part_size, parts_pool=self._parts,
                                               on_resumed=self._count_resumed, on_restart=self._count_restart,
-                                              server_check=self.opts.verify == "sampled")
+                                              server_check=self.opts.verify == "sampled", on_bytes=self._moved)
             self.journal.mark_done(item.key, done)
             if not checked:
                 check_copy(self.src, self.dst, item, done, self.opts.verify, self.opts.samples)
@@ -419,12 +419,11 @@ class Syncer:
             self.result.copied_bytes += item.size
             if self.opts.verify != "none":
                 self.result.verified += 1
-        self._moved(item.size)
         self.progress("copied", 1)
 
     def _moved(self, n: int) -> None:
         """``n`` more bytes of a copy went through: held back to ``--bwlimit``, then counted for progress.
-        Called once per object after its copy; finer calls (per part) pace large objects as well."""
+        Called after each part of a multipart copy, so a large object is paced part by part."""
         if self.opts.limiter is not None:
             self.opts.limiter.take(n)
         self.progress("bytes", n)

@@ -60,16 +60,18 @@ Notify = Callable[[int], None]
 
 def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Journal, part_size: int | None,
                 parts_pool: ThreadPoolExecutor, on_resumed: Notify | None = None,
-                on_restart: Notify | None = None, server_check: bool = False) -> tuple[Item, Done, bool]:
+                on_restart: Notify | None = None, server_check: bool = False,
+                on_bytes: Notify | None = None) -> tuple[Item, Done, bool]:
     """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
     the copy), what the journal records for it, and whether the destination's server checked the body it
     received (``server_check`` on a store that ``checks_bodies``: every request of this copy carried the
     body's MD5, as rclone sends it, for the server to check). Raises
-    on failure (nothing half-visible)."""
+    on failure (nothing half-visible). ``on_bytes(n)``: n more bytes went through, called after each part of
+    a multipart copy (so ``--bwlimit`` paces a large object part by part) or after a whole object."""
     for attempt in range(1, SOURCE_ATTEMPTS + 1):
         try:
             done, checked = _copy_version(src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart,
-                                          server_check)
+                                          server_check, on_bytes)
             return item, done, checked
         except SourceChangedError as exc:
             if attempt == SOURCE_ATTEMPTS:
@@ -89,7 +91,7 @@ def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Jour
 
 def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journal, part_size: int | None,
                   pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None,
-                  server_check: bool = False) -> tuple[Done, bool]:
+                  server_check: bool = False, on_bytes: Notify | None = None) -> tuple[Done, bool]:
     psize = part_size_for(item.size, part_size)
     if item.size <= psize:
         data = src.read(item.key, pin=item.version)
@@ -98,6 +100,8 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
         crc = crc64_bytes(data)
         written = dst.write(item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc,
                             server_check=server_check)
+        if on_bytes is not None:
+            on_bytes(item.size)
         return Done(item.size, item.mtime, crc.tagged(), written.etag, written.mtime), server_check and dst.checks_bodies
     uploads = dst.multipart
     if uploads is None:
@@ -105,7 +109,7 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
             done, resumed = _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed,
-                                            server_check)
+                                            server_check, on_bytes)
             # Parts sent by an earlier run may have gone without Content-MD5: such an object is read back.
             return done, server_check and dst.checks_bodies and not resumed
         except UploadGoneError as exc:
@@ -121,7 +125,7 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
 
 def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUploads, item: Item, psize: int,
                     journal: Journal, pool: ThreadPoolExecutor, on_resumed: Notify | None,
-                    server_check: bool = False) -> tuple[Done, bool]:
+                    server_check: bool = False, on_bytes: Notify | None = None) -> tuple[Done, bool]:
     """The copy's journal record, and whether parts sent by an earlier run were kept."""
     key = item.key
     pin = item.version
@@ -155,6 +159,8 @@ def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUpload
         etag = uploads.put_part(key, upload_id, number, offset, data, server_check=server_check)
         if resumable:
             journal.add_part(key, upload_id, number, etag, crc.value, crc.length)
+        if on_bytes is not None:
+            on_bytes(length)
         return number, etag, crc
 
     todo = [n for n in range(1, count + 1) if n not in finished]

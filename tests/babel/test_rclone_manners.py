@@ -197,6 +197,28 @@ def test_bwlimit_rates_and_token_bucket() -> None:
     assert slept[-1] == pytest.approx(1.0) and sum(slept) == pytest.approx(4.0)
 
 
+def test_bwlimit_paces_a_large_object_part_by_part(tmp_path: Path) -> None:
+    from lingctl.babel.sync import SyncOptions, Syncer
+    from lingctl.core.storage import parse_url
+
+    (tmp_path / "src").mkdir()
+    data = os.urandom(20 * MiB)
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    bucket = TokenBucket(5 * MiB, clock=lambda: now[0], sleep=sleep)
+    opts = SyncOptions(state_dir=tmp_path / "state", part_size=5 * MiB, jobs=1, limiter=bucket)
+    result = Syncer(parse_url(str(tmp_path / "src")), parse_url(str(tmp_path / "dst")), S3Options(), opts).run()
+    assert result.copied == 1 and (tmp_path / "dst" / "big.bin").read_bytes() == data
+    # Four parts of 5 MiB, each held back one second as it went through, not one 4-second wait at the end.
+    assert len(slept) == 4 and sum(slept) == pytest.approx(4.0)
+
+
 # -- agreement with rclone ------------------------------------------------------------------------------------
 
 
