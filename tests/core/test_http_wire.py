@@ -8,8 +8,12 @@ scripted too: kept, closed by the server, or left hanging without an answer.
 from __future__ import annotations
 
 import io
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -36,8 +40,9 @@ Handler = Callable[[Received], Answer]
 
 
 class ScriptedServer:
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.received: list[Received] = []
         self.connections = 0
         self.closed = 0  # connections the server closed after an answer scripted "close"
@@ -67,6 +72,15 @@ class ScriptedServer:
                 self._start(self._serve, sock, self.connections)
 
     def _serve(self, sock: socket.socket, number: int) -> None:
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_side=True)
+            except OSError:  # the client refused the certificate
+                sock.close()
+                with self.changed:
+                    self.closed += 1
+                    self.changed.notify_all()
+                return
         reader = sock.makefile("rb")
         try:
             while request := _read_request(reader, number):
@@ -312,3 +326,36 @@ def test_many_threads_share_one_pool(start: Start) -> None:
     assert len(server.received) == threads * per_thread
     # At most one connection in use per thread, and maxsize (16) idle ones are kept: none is ever dropped.
     assert server.connections <= threads
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_https_checks_the_certificate_and_keeps_the_connection(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = ScriptedServer(script(ok(b"one"), ok(b"two")), tls=context)
+    trusting = Pool("127.0.0.1", server.port, https=True, ca_certs=str(cert), read_timeout=WAIT_S)
+    stranger = Pool("127.0.0.1", server.port, https=True, read_timeout=WAIT_S)  # the system's CAs only
+    try:
+        assert trusting.request("GET", "/a", H).data == b"one"
+        assert trusting.request("GET", "/b", H).data == b"two"
+        assert [r.conn for r in server.received] == [1, 1]
+        with pytest.raises(WireError, match="TLS handshake failed") as refused:
+            stranger.request("GET", "/c", H)
+        assert isinstance(refused.value.cause, ssl.SSLCertVerificationError)
+    finally:
+        trusting.close()
+        stranger.close()
+        server.stop()
