@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lingctl-installed
 
-.PHONY: demo test bench-deps
+.PHONY: demo test lint bench-deps
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The quality gate CI runs before the tests: lint and formatting (ruff), types (mypy); settings in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lingctl tests bench scripts
+	$(VENV)/bin/ruff format --check lingctl tests bench scripts
+	$(VENV)/bin/mypy
 
 # The peers that bench/ measures against (transformers for flood); not needed to run or test lingctl.
 bench-deps: $(STAMP)

@@ -91,8 +91,12 @@ class Series:
         return statistics.median(getattr(r, attr) for r in self.runs)
 
     def summary(self) -> dict:
-        out = {"wall_s": round(self.median("wall"), 3), "cpu_s": round(self.median("cpu"), 3),
-               "server_cpu_s": round(self.median("server_cpu"), 3), "wall_runs": [round(r.wall, 3) for r in self.runs]}
+        out = {
+            "wall_s": round(self.median("wall"), 3),
+            "cpu_s": round(self.median("cpu"), 3),
+            "server_cpu_s": round(self.median("server_cpu"), 3),
+            "wall_runs": [round(r.wall, 3) for r in self.runs],
+        }
         if self.runs and all(r.internal is not None for r in self.runs):
             out["self_reported_s"] = round(self.median("internal"), 3)
         return out
@@ -110,12 +114,27 @@ class Runner:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RCLONE_"))}
         # Bytecode cached as in an installed package (pip compiles it at install time): without this, a
         # machine that sets PYTHONDONTWRITEBYTECODE recompiles lingctl's modules in every child (~50 ms).
-        self.lingctl_env = {**{k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"},
-                            **server.env(), "LINGCTL_CACHE_DIR": str(cache_dir)}
-        self.rclone_env = {**base, **{f"RCLONE_CONFIG_{REMOTE.upper()}_{k}": v for k, v in {
-            "TYPE": "s3", "PROVIDER": "Other", "ENDPOINT": server.endpoint, "REGION": server.region,
-            "ACCESS_KEY_ID": server.access_key, "SECRET_ACCESS_KEY": server.secret_key,
-            "FORCE_PATH_STYLE": "true", "NO_CHECK_BUCKET": "true"}.items()}}
+        self.lingctl_env = {
+            **{k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"},
+            **server.env(),
+            "LINGCTL_CACHE_DIR": str(cache_dir),
+        }
+        self.rclone_env = {
+            **base,
+            **{
+                f"RCLONE_CONFIG_{REMOTE.upper()}_{k}": v
+                for k, v in {
+                    "TYPE": "s3",
+                    "PROVIDER": "Other",
+                    "ENDPOINT": server.endpoint,
+                    "REGION": server.region,
+                    "ACCESS_KEY_ID": server.access_key,
+                    "SECRET_ACCESS_KEY": server.secret_key,
+                    "FORCE_PATH_STYLE": "true",
+                    "NO_CHECK_BUCKET": "true",
+                }.items()
+            },
+        }
         rclone = find_rclone()
         assert rclone is not None  # serve_s3 found it
         self.rclone_bin = rclone
@@ -172,11 +191,24 @@ def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
 
-def pair(name: str, ling: Series, peer: Series, *, goal_wall: float | None = None, goal_cpu: float | None = None,
-         **extra: object) -> dict:
+def pair(
+    name: str,
+    ling: Series,
+    peer: Series,
+    *,
+    goal_wall: float | None = None,
+    goal_cpu: float | None = None,
+    **extra: object,
+) -> dict:
     lw, lc, rw, rc = ling.median("wall"), ling.median("cpu"), peer.median("wall"), peer.median("cpu")
-    entry: dict = {"name": name, "lingctl": ling.summary(), "rclone": peer.summary(),
-                   "wall_ratio": ratio(lw, rw), "cpu_ratio": ratio(lc, rc), **extra}
+    entry: dict = {
+        "name": name,
+        "lingctl": ling.summary(),
+        "rclone": peer.summary(),
+        "wall_ratio": ratio(lw, rw),
+        "cpu_ratio": ratio(lc, rc),
+        **extra,
+    }
     goals = {}
     if goal_wall is not None:
         goals["wall_ratio_max"] = goal_wall
@@ -207,8 +239,15 @@ class Plan:
         def n(full: int, least: int = 1) -> int:
             return max(least, round(full * scale))
 
-        return cls(list_dirs=n(200), list_per_dir=1000, list_flat=n(20_000), small=n(1900), medium=n(95),
-                   large=n(5), big_blocks=n(16, least=4))
+        return cls(
+            list_dirs=n(200),
+            list_per_dir=1000,
+            list_flat=n(20_000),
+            small=n(1900),
+            medium=n(95),
+            large=n(5),
+            big_blocks=n(16, least=4),
+        )
 
     @property
     def list_objects(self) -> int:
@@ -271,9 +310,14 @@ def write_copy_tree(src: Path, plan: Plan, rng: random.Random, block: bytes) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
         off = rng.randrange(BLOCK)
         header = key.encode().ljust(64, b"\0")[:64]  # every file differs from every other
-        path.write_bytes(header + pool[off:off + size - 64] if size > 64 else header[:size])
-    return {"files": len(sizes), "bytes": sum(sizes.values()), "small": plan.small, "medium": plan.medium,
-            "large": plan.large}
+        path.write_bytes(header + pool[off : off + size - 64] if size > 64 else header[:size])
+    return {
+        "files": len(sizes),
+        "bytes": sum(sizes.values()),
+        "small": plan.small,
+        "medium": plan.medium,
+        "large": plan.large,
+    }
 
 
 def write_big_file(path: Path, blocks: int, block: bytes) -> int:
@@ -346,12 +390,19 @@ def bench_listing(r: Runner, rounds: int, expect: tuple[int, int], flat_expect: 
             flat_sides[name]()
 
     return [
-        pair(f"list {objects:,} objects (ls -R --summary vs lsf -R)", ling, peer, goal_wall=1.0, goal_cpu=0.75,
-             key="list", objects=objects, bytes=total),
+        pair(
+            f"list {objects:,} objects (ls -R --summary vs lsf -R)",
+            ling,
+            peer,
+            goal_wall=1.0,
+            goal_cpu=0.75,
+            key="list",
+            objects=objects,
+            bytes=total,
+        ),
         pair("  list_tree in-process vs lsf -R", inproc, peer, key="list_in_process", list_requests=requests),
         pair("  ls -R --summary vs lsf -R --fast-list", ling, peer_fast, key="list_vs_fast_list"),
-        pair(f"list one flat directory of {flat_expect:,}", flat_ling, flat_peer, key="list_flat",
-             objects=flat_expect),
+        pair(f"list one flat directory of {flat_expect:,}", flat_ling, flat_peer, key="list_flat", objects=flat_expect),
     ]
 
 
@@ -360,34 +411,60 @@ def bench_copy(r: Runner, src: Path, tree: dict, rounds: int) -> list[dict]:
     details: dict[str, dict] = {}
 
     def lingctl_copy(series: Series, prefix: str, verify: str) -> None:
-        run = series.add(r.lingctl("babel", "copy", str(src), f"s3://{COPY_BUCKET}/{prefix}", "--verify", verify,
-                                   "--json"))
+        run = series.add(
+            r.lingctl("babel", "copy", str(src), f"s3://{COPY_BUCKET}/{prefix}", "--verify", verify, "--json")
+        )
         res = json.loads(run.out)
         run.internal = res["seconds"]
         if res["copied"] != tree["files"] or res["copied_bytes"] != tree["bytes"] or res["failed"]:
-            raise BenchError(f"lingctl babel sync {src} s3://{COPY_BUCKET}/{prefix}: copied {res['copied']} "
-                             f"({res['copied_bytes']} bytes), {len(res['failed'])} failed; expected {tree['files']} "
-                             f"({tree['bytes']} bytes)")
-        details[f"lingctl_verify_{verify}"] = {k: res[k] for k in ("requests", "retries", "throttled", "verified",
-                                                                   "min_concurrency", "seconds")}
+            raise BenchError(
+                f"lingctl babel sync {src} s3://{COPY_BUCKET}/{prefix}: copied {res['copied']} "
+                f"({res['copied_bytes']} bytes), {len(res['failed'])} failed; expected {tree['files']} "
+                f"({tree['bytes']} bytes)"
+            )
+        details[f"lingctl_verify_{verify}"] = {
+            k: res[k] for k in ("requests", "retries", "throttled", "verified", "min_concurrency", "seconds")
+        }
 
     for i in range(rounds):
+        # Each side runs within this iteration, so the closures see this round's i.
         sides = {
-            "lingctl": lambda: lingctl_copy(ling, f"lingctl-{i}", "none"),
-            "rclone": lambda: peer.add(r.rclone("copy", str(src), f"{REMOTE}:{COPY_BUCKET}/rclone-{i}",
-                                                *RCLONE_COPY_FLAGS)),
-            "lingctl_sampled": lambda: lingctl_copy(ling_sampled, f"lingctl-sampled-{i}", "sampled"),
+            "lingctl": lambda: lingctl_copy(ling, f"lingctl-{i}", "none"),  # noqa: B023
+            "rclone": lambda: peer.add(
+                r.rclone(
+                    "copy",
+                    str(src),
+                    f"{REMOTE}:{COPY_BUCKET}/rclone-{i}",  # noqa: B023
+                    *RCLONE_COPY_FLAGS,
+                )
+            ),
+            "lingctl_sampled": lambda: lingctl_copy(ling_sampled, f"lingctl-sampled-{i}", "sampled"),  # noqa: B023
         }
-        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+        for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
             sides[name]()
     mb = tree["bytes"] / 1e6
     return [
-        pair(f"cold copy {tree['files']:,} files, {mb:,.0f} MB (--verify none vs copy)", ling, peer, goal_wall=1.0, goal_cpu=1.0,
-             key="copy", files=tree["files"], bytes=tree["bytes"],
-             lingctl_MBps=round(mb / ling.median("wall"), 1), rclone_MBps=round(mb / peer.median("wall"), 1),
-             lingctl_details=details.get("lingctl_verify_none")),
-        pair("  cold copy, lingctl --verify sampled (default)", ling_sampled, peer, key="copy_sampled", goal_wall=1.2,
-             lingctl_details=details.get("lingctl_verify_sampled")),
+        pair(
+            f"cold copy {tree['files']:,} files, {mb:,.0f} MB (--verify none vs copy)",
+            ling,
+            peer,
+            goal_wall=1.0,
+            goal_cpu=1.0,
+            key="copy",
+            files=tree["files"],
+            bytes=tree["bytes"],
+            lingctl_MBps=round(mb / ling.median("wall"), 1),
+            rclone_MBps=round(mb / peer.median("wall"), 1),
+            lingctl_details=details.get("lingctl_verify_none"),
+        ),
+        pair(
+            "  cold copy, lingctl --verify sampled (default)",
+            ling_sampled,
+            peer,
+            key="copy_sampled",
+            goal_wall=1.2,
+            lingctl_details=details.get("lingctl_verify_sampled"),
+        ),
     ]
 
 
@@ -414,8 +491,10 @@ def bench_noop(r: Runner, src: Path, tree: dict, rounds: int) -> list[dict]:
         res = json.loads(run.out)
         run.internal = res["seconds"]
         if res["copied"] or res["skipped"] != tree["files"] or res["failed"]:
-            raise BenchError(f"lingctl babel sync (no-op): copied {res['copied']}, skipped {res['skipped']} of "
-                             f"{tree['files']}, {len(res['failed'])} failed")
+            raise BenchError(
+                f"lingctl babel sync (no-op): copied {res['copied']}, skipped {res['skipped']} of "
+                f"{tree['files']}, {len(res['failed'])} failed"
+            )
         heads.append(res["head_requests"])
         requests.append(res["requests"])
 
@@ -429,39 +508,81 @@ def bench_noop(r: Runner, src: Path, tree: dict, rounds: int) -> list[dict]:
     by_method = rclone_requests(dumped.err)
     if "There was nothing to transfer" not in dumped.err:
         raise BenchError(f"rclone {' '.join(rclone_args)} was not a no-op:\n{dumped.err[-2000:]}")
-    return [pair(f"no-op re-sync of {tree['files']:,} files (sync vs sync --fast-list)", ling, peer, goal_wall=1.0,
-                 key="noop", lingctl_head_requests=max(heads), lingctl_requests=max(requests),
-                 head_goal_met=max(heads) == 0, rclone_requests=sum(by_method.values()),
-                 rclone_requests_by_method=by_method)]
+    return [
+        pair(
+            f"no-op re-sync of {tree['files']:,} files (sync vs sync --fast-list)",
+            ling,
+            peer,
+            goal_wall=1.0,
+            key="noop",
+            lingctl_head_requests=max(heads),
+            lingctl_requests=max(requests),
+            head_goal_met=max(heads) == 0,
+            rclone_requests=sum(by_method.values()),
+            rclone_requests_by_method=by_method,
+        )
+    ]
 
 
 def bench_verify(r: Runner, src: Path, tree: dict, rounds: int) -> list[dict]:
     out = []
-    modes = (("full", ("--download",), "check --download"), ("sampled", (), "check (size + MD5)"),
-             ("meta", ("--size-only",), "check --size-only"))
+    modes = (
+        ("full", ("--download",), "check --download"),
+        ("sampled", (), "check (size + MD5)"),
+        ("meta", ("--size-only",), "check --size-only"),
+    )
     for mode, flags, label in modes:
         ling, peer = Series(), Series()
         stats: dict = {}
 
+        # Both sides run within this iteration, so the closures see this mode's variables.
         def lingctl_verify() -> None:
-            run = ling.add(r.lingctl("babel", "verify", str(src), f"s3://{COPY_BUCKET}/lingctl-0", "--mode", mode,
-                                     "--json"))
+            run = ling.add(  # noqa: B023
+                r.lingctl(
+                    "babel",
+                    "verify",
+                    str(src),
+                    f"s3://{COPY_BUCKET}/lingctl-0",
+                    "--mode",
+                    mode,  # noqa: B023
+                    "--json",
+                )
+            )
             res = json.loads(run.out)
             run.internal = res["seconds"]
             if not res["ok"] or res["matched"] != tree["files"]:
-                raise BenchError(f"lingctl babel verify --mode {mode}: matched {res['matched']} of {tree['files']}, "
-                                 f"differences {res['differences'][:3]}")
-            stats["bytes_compared"] = res["bytes_read"]
+                raise BenchError(
+                    f"lingctl babel verify --mode {mode}: matched {res['matched']} of {tree['files']}, "  # noqa: B023
+                    f"differences {res['differences'][:3]}"
+                )
+            stats["bytes_compared"] = res["bytes_read"]  # noqa: B023
 
-        sides = {"lingctl": lingctl_verify,
-                 "rclone": lambda: peer.add(r.rclone("check", str(src), f"{REMOTE}:{COPY_BUCKET}/rclone-0", *flags,
-                                                     *RCLONE_COPY_FLAGS))}
+        sides = {
+            "lingctl": lingctl_verify,
+            "rclone": lambda: peer.add(  # noqa: B023
+                r.rclone(
+                    "check",
+                    str(src),
+                    f"{REMOTE}:{COPY_BUCKET}/rclone-0",
+                    *flags,  # noqa: B023
+                    *RCLONE_COPY_FLAGS,
+                )
+            ),
+        }
         for order in alternate(rounds, list(sides)):
             for name in order:
                 sides[name]()
         goal = {"goal_wall": 1.5} if mode == "full" else {}
-        out.append(pair(f"verify {tree['files']:,} files: --mode {mode} vs {label}", ling, peer,
-                        key=f"verify_{mode}", lingctl_bytes_compared=stats.get("bytes_compared"), **goal))
+        out.append(
+            pair(
+                f"verify {tree['files']:,} files: --mode {mode} vs {label}",
+                ling,
+                peer,
+                key=f"verify_{mode}",
+                lingctl_bytes_compared=stats.get("bytes_compared"),
+                **goal,
+            )
+        )
     return out
 
 
@@ -510,16 +631,24 @@ def bench_big(r: Runner, big_dir: Path, size: int, rounds: int) -> list[dict]:
     core_speedup = ratio(statistics.median(core["full"]), statistics.median(core["sampled"]))
     gib = size / GiB
     return [
-        pair(f"copy one {gib:.2f} GiB file (copy --verify none vs copy), 1 run", up, up_peer, key="big_copy",
-             bytes=size),
-        {"name": f"verify one {gib:.2f} GiB file: --mode sampled vs --mode full", "key": "big_verify",
-         "bytes": size, "sampled": sampled.summary(), "full": full.summary(), "sampled_speedup": speedup,
-         "cpu_speedup": ratio(full.median("cpu"), sampled.median("cpu")),
-         "self_reported_speedup": ratio(full.median("internal"), sampled.median("internal")),
-         "lingctl_bytes_read": compared,
-         "compare_only_s": {m: round(statistics.median(v), 3) for m, v in core.items()},
-         "compare_only_speedup": core_speedup,
-         "goals": {"sampled_speedup_min": 10.0}, "speedup_goal_met": speedup is not None and speedup >= 10.0},
+        pair(
+            f"copy one {gib:.2f} GiB file (copy --verify none vs copy), 1 run", up, up_peer, key="big_copy", bytes=size
+        ),
+        {
+            "name": f"verify one {gib:.2f} GiB file: --mode sampled vs --mode full",
+            "key": "big_verify",
+            "bytes": size,
+            "sampled": sampled.summary(),
+            "full": full.summary(),
+            "sampled_speedup": speedup,
+            "cpu_speedup": ratio(full.median("cpu"), sampled.median("cpu")),
+            "self_reported_speedup": ratio(full.median("internal"), sampled.median("internal")),
+            "lingctl_bytes_read": compared,
+            "compare_only_s": {m: round(statistics.median(v), 3) for m, v in core.items()},
+            "compare_only_speedup": core_speedup,
+            "goals": {"sampled_speedup_min": 10.0},
+            "speedup_goal_met": speedup is not None and speedup >= 10.0,
+        },
     ]
 
 
@@ -544,13 +673,26 @@ def needed_bytes(plan: Plan, copy_rounds: int) -> int:
 def versions(runner: Runner) -> dict:
     rclone = subprocess.run([runner.rclone_bin, "version"], capture_output=True, text=True).stdout.splitlines()[0]
     try:
-        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"lingctl": lingctl.__version__, "lingctl_commit": commit, "rclone": rclone,
-            "python": platform.python_version(), "cores": os.cpu_count(), "machine": platform.machine(),
-            "kernel": platform.release()}
+    return {
+        "lingctl": lingctl.__version__,
+        "lingctl_commit": commit,
+        "rclone": rclone,
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+    }
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -569,12 +711,21 @@ def bench(args: argparse.Namespace) -> dict:
         plan = dataclasses.replace(plan, small=0, medium=0, large=0)
     need, free = needed_bytes(plan, args.copy_rounds), shutil.disk_usage(base).free
     if free < need * 1.2:
-        raise BenchError(f"{base} has {free / GiB:.1f} GiB free; this run needs about {need / GiB:.1f} GiB "
-                         "(use --scale or --tmpdir)")
-    results: dict = {"settings": {"scale": args.scale, "rounds": args.rounds, "copy_rounds": args.copy_rounds,
-                                  "only": sorted(only),
-                                  "seed": args.seed, "lingctl_jobs": 16, "rclone_flags": RCLONE_COPY_FLAGS,
-                                  "plan": dataclasses.asdict(plan)}}
+        raise BenchError(
+            f"{base} has {free / GiB:.1f} GiB free; this run needs about {need / GiB:.1f} GiB (use --scale or --tmpdir)"
+        )
+    results: dict = {
+        "settings": {
+            "scale": args.scale,
+            "rounds": args.rounds,
+            "copy_rounds": args.copy_rounds,
+            "only": sorted(only),
+            "seed": args.seed,
+            "lingctl_jobs": 16,
+            "rclone_flags": RCLONE_COPY_FLAGS,
+            "plan": dataclasses.asdict(plan),
+        }
+    }
     timings: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="babel-vs-rclone-", dir=base) as tmp:
         tmp_path = Path(tmp)
@@ -590,8 +741,12 @@ def bench(args: argparse.Namespace) -> dict:
         big_size = write_big_file(big_dir / "model.safetensors", plan.big_blocks, block)
         del block
         timings["write_data_s"] = round(time.perf_counter() - t, 1)
-        results["data"] = {"list_objects": listing[0], "list_bytes": listing[1], "copy_tree": tree,
-                           "big_file_bytes": big_size}
+        results["data"] = {
+            "list_objects": listing[0],
+            "list_bytes": listing[1],
+            "copy_tree": tree,
+            "big_file_bytes": big_size,
+        }
         with serve_s3(root, buckets=[LIST_BUCKET, COPY_BUCKET, BIG_BUCKET], log_file=tmp_path / "server.log") as server:
             runner = Runner(work, server, cache)
             results["versions"] = versions(runner)
@@ -628,8 +783,12 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def _goal(entry: dict) -> str:
     marks = []
-    for key, label in (("wall_goal_met", "wall"), ("cpu_goal_met", "cpu"), ("head_goal_met", "0 HEAD"),
-                       ("speedup_goal_met", "speed-up")):
+    for key, label in (
+        ("wall_goal_met", "wall"),
+        ("cpu_goal_met", "cpu"),
+        ("head_goal_met", "0 HEAD"),
+        ("speedup_goal_met", "speed-up"),
+    ):
         if key in entry:
             marks.append(f"{label} {'ok' if entry[key] else 'MISSED'}")
     return ", ".join(marks)
@@ -637,45 +796,65 @@ def _goal(entry: dict) -> str:
 
 def print_table(res: dict) -> None:
     v, s, d = res["versions"], res["settings"], res["data"]
-    print(f"lingctl {v['lingctl']} ({v['lingctl_commit']}) vs {v['rclone']}; Python {v['python']}, "
-          f"{v['cores']} cores; one local rclone serve s3")
-    print(f"scale {s['scale']}, median of {s['rounds']} interleaved rounds ({s['copy_rounds']} for cold copies); "
-          f"lingctl --jobs 16, rclone {' '.join(s['rclone_flags'])}; ratio = lingctl / rclone (< 1: lingctl faster)")
-    print(f"data: {d['list_objects']:,} objects to list; copy tree {d['copy_tree']['files']:,} files "
-          f"{d['copy_tree']['bytes'] / 1e6:,.0f} MB; large file {d['big_file_bytes'] / GiB:.2f} GiB")
+    print(
+        f"lingctl {v['lingctl']} ({v['lingctl_commit']}) vs {v['rclone']}; Python {v['python']}, "
+        f"{v['cores']} cores; one local rclone serve s3"
+    )
+    print(
+        f"scale {s['scale']}, median of {s['rounds']} interleaved rounds ({s['copy_rounds']} for cold copies); "
+        f"lingctl --jobs 16, rclone {' '.join(s['rclone_flags'])}; ratio = lingctl / rclone (< 1: lingctl faster)"
+    )
+    print(
+        f"data: {d['list_objects']:,} objects to list; copy tree {d['copy_tree']['files']:,} files "
+        f"{d['copy_tree']['bytes'] / 1e6:,.0f} MB; large file {d['big_file_bytes'] / GiB:.2f} GiB"
+    )
     print()
-    head = (f"{'measurement':58s} {'lingctl s':>9s} {'(own)':>6s} {'rclone s':>9s} {'wall x':>7s} {'ling cpu':>9s} "
-            f"{'rcl cpu':>8s} {'cpu x':>6s} {'srv cpu':>11s}  goals")
+    head = (
+        f"{'measurement':58s} {'lingctl s':>9s} {'(own)':>6s} {'rclone s':>9s} {'wall x':>7s} {'ling cpu':>9s} "
+        f"{'rcl cpu':>8s} {'cpu x':>6s} {'srv cpu':>11s}  goals"
+    )
     print(head)
     print("-" * len(head))
     for e in res["figures"]:
         if "lingctl" in e:
             ling, peer = e["lingctl"], e["rclone"]
             own = _fmt(ling.get("self_reported_s"))
-            print(f"{e['name']:58s} {ling['wall_s']:9.2f} {own:>6s} {peer['wall_s']:9.2f} {_fmt(e['wall_ratio']):>7s} "
-                  f"{ling['cpu_s']:9.2f} {peer['cpu_s']:8.2f} {_fmt(e['cpu_ratio']):>6s} "
-                  f"{ling['server_cpu_s']:5.1f}/{peer['server_cpu_s']:<5.1f}  {_goal(e)}")
+            print(
+                f"{e['name']:58s} {ling['wall_s']:9.2f} {own:>6s} {peer['wall_s']:9.2f} {_fmt(e['wall_ratio']):>7s} "
+                f"{ling['cpu_s']:9.2f} {peer['cpu_s']:8.2f} {_fmt(e['cpu_ratio']):>6s} "
+                f"{ling['server_cpu_s']:5.1f}/{peer['server_cpu_s']:<5.1f}  {_goal(e)}"
+            )
         if e["key"] == "copy":
             print(f"{'':58s} lingctl {e['lingctl_MBps']:,.0f} MB/s, rclone {e['rclone_MBps']:,.0f} MB/s")
         if e["key"] == "noop":
             methods = ", ".join(f"{k} {n}" for k, n in sorted(e["rclone_requests_by_method"].items()))
-            print(f"{'':58s} requests: lingctl {e['lingctl_requests']} ({e['lingctl_head_requests']} HEAD), "
-                  f"rclone {e['rclone_requests']} ({methods})")
+            print(
+                f"{'':58s} requests: lingctl {e['lingctl_requests']} ({e['lingctl_head_requests']} HEAD), "
+                f"rclone {e['rclone_requests']} ({methods})"
+            )
         if e["key"] == "list_in_process":
             print(f"{'':58s} list_tree sent {e['list_requests']} List requests")
         if e["key"] == "big_verify":
             sm, fu = e["sampled"], e["full"]
-            print(f"{e['name']}: sampled {sm['wall_s']:.2f} s (own {sm['self_reported_s']:.2f} s, "
-                  f"{sm['cpu_s']:.2f} s CPU), full {fu['wall_s']:.2f} s (own {fu['self_reported_s']:.2f} s, "
-                  f"{fu['cpu_s']:.2f} s CPU)")
-            print(f"{'':58s} sampled {_fmt(e['sampled_speedup'], '.1f')}x faster by wall time "
-                  f"({_fmt(e['self_reported_speedup'], '.1f')}x by lingctl's own time)  {_goal(e)}")
+            print(
+                f"{e['name']}: sampled {sm['wall_s']:.2f} s (own {sm['self_reported_s']:.2f} s, "
+                f"{sm['cpu_s']:.2f} s CPU), full {fu['wall_s']:.2f} s (own {fu['self_reported_s']:.2f} s, "
+                f"{fu['cpu_s']:.2f} s CPU)"
+            )
+            print(
+                f"{'':58s} sampled {_fmt(e['sampled_speedup'], '.1f')}x faster by wall time "
+                f"({_fmt(e['self_reported_speedup'], '.1f')}x by lingctl's own time)  {_goal(e)}"
+            )
             co = e["compare_only_s"]
-            print(f"{'':58s} the comparison alone (no start-up, no listings): sampled {co['sampled']:.2f} s, "
-                  f"full {co['full']:.2f} s: {_fmt(e['compare_only_speedup'], '.1f')}x")
+            print(
+                f"{'':58s} the comparison alone (no start-up, no listings): sampled {co['sampled']:.2f} s, "
+                f"full {co['full']:.2f} s: {_fmt(e['compare_only_speedup'], '.1f')}x"
+            )
     print()
-    print("(own): the seconds lingctl reports itself (--json), which leave out interpreter start-up and most "
-          "imports; srv cpu: CPU seconds of the S3 server during the lingctl / rclone run")
+    print(
+        "(own): the seconds lingctl reports itself (--json), which leave out interpreter start-up and most "
+        "imports; srv cpu: CPU seconds of the S3 server during the lingctl / rclone run"
+    )
     print("phases: " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in res["timings"].items()))
 
 

@@ -66,14 +66,38 @@ def batch_file(tmp: Path, n: int, vocab: int, new_tokens: int, seed: int = 0) ->
     with open(path, "w") as f:
         for i in range(n):
             ids = [rng.randrange(2, vocab - 1) for _ in range(64)]
-            f.write(json.dumps({"custom_id": f"r{i}", "prompt": ids, "max_tokens": rng.randint(8, new_tokens),
-                                "temperature": 0, "ignore_eos": True}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "prompt": ids,
+                        "max_tokens": rng.randint(8, new_tokens),
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def flood(ckpt: Path, batch: Path, dtype: str, quantize: bool, extra: list[str]) -> tuple[int, dict | str, float]:
-    cmd = [sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(ckpt), "--dtype", dtype,
-           "--json", "-o", str(batch.with_suffix(f".{dtype}.{int(quantize)}.out.jsonl")), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lingctl",
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(ckpt),
+        "--dtype",
+        dtype,
+        "--json",
+        "-o",
+        str(batch.with_suffix(f".{dtype}.{int(quantize)}.out.jsonl")),
+        *extra,
+    ]
     if quantize:
         cmd += ["--quantize", "int8"]
     t = time.monotonic()
@@ -101,8 +125,10 @@ def main() -> None:
     size = sum(p.stat().st_size for p in files)
     print(f"checkpoint {args.ckpt}: {len(files)} files, {size / 1e9:.2f} GB, {config['num_hidden_layers']} layers")
     read_s, read_bytes = plain_read(files)
-    print(f"plain sequential read (cold): {read_bytes / 1e9:.2f} GB in {read_s:.1f} s = "
-          f"{read_bytes / read_s / 1e6:.0f} MB/s")
+    print(
+        f"plain sequential read (cold): {read_bytes / 1e9:.2f} GB in {read_s:.1f} s = "
+        f"{read_bytes / read_s / 1e6:.0f} MB/s"
+    )
     extra = ["--threads", str(args.threads)] if args.threads else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp_:
@@ -119,16 +145,24 @@ def main() -> None:
             p = s["plan"]
             rows.append((dtype, int(n), s, wall))
             print(f"\nint8, --dtype {dtype}, batch {n}: {s['succeeded']}/{s['requests']} answered, wall {wall:.1f} s")
-            print(f"  load {s['load_seconds']:.1f} s for {s['load_bytes_read'] / 1e9:.2f} GB read = "
-                  f"{s['load_seconds'] / read_s:.2f}x the plain read (goal <= {GOAL_LOAD}x); bytes read / file bytes "
-                  f"{s['load_bytes_read'] / read_bytes:.4f}")
-            print(f"  peak RSS {gib(s['peak_rss_bytes'])} vs plan {gib(s['plan_total_bytes'])} = "
-                  f"{s['peak_rss_bytes'] / s['plan_total_bytes']:.3f} (goal <= {GOAL_PEAK})")
-            print(f"  plan: runtime {gib(p['runtime_bytes'])} + weights {gib(p['weights_bytes'])} + max(loader "
-                  f"{gib(p['loader_bytes'])}, packed {gib(p['engine_bytes'])} + activations "
-                  f"{gib(p['activation_bytes'])} + KV {gib(p['kv_bytes'])}); available {gib(p['available_bytes'])}")
-            print(f"  generation: {s['generated_tokens']} tokens in {s['seconds']:.1f} s = "
-                  f"{s['generated_tokens_per_s']:.2f} tok/s (prefill included)")
+            print(
+                f"  load {s['load_seconds']:.1f} s for {s['load_bytes_read'] / 1e9:.2f} GB read = "
+                f"{s['load_seconds'] / read_s:.2f}x the plain read (goal <= {GOAL_LOAD}x); bytes read / file bytes "
+                f"{s['load_bytes_read'] / read_bytes:.4f}"
+            )
+            print(
+                f"  peak RSS {gib(s['peak_rss_bytes'])} vs plan {gib(s['plan_total_bytes'])} = "
+                f"{s['peak_rss_bytes'] / s['plan_total_bytes']:.3f} (goal <= {GOAL_PEAK})"
+            )
+            print(
+                f"  plan: runtime {gib(p['runtime_bytes'])} + weights {gib(p['weights_bytes'])} + max(loader "
+                f"{gib(p['loader_bytes'])}, packed {gib(p['engine_bytes'])} + activations "
+                f"{gib(p['activation_bytes'])} + KV {gib(p['kv_bytes'])}); available {gib(p['available_bytes'])}"
+            )
+            print(
+                f"  generation: {s['generated_tokens']} tokens in {s['seconds']:.1f} s = "
+                f"{s['generated_tokens_per_s']:.2f} tok/s (prefill included)"
+            )
         if not args.no_refusal:
             batch = batch_file(tmp, 8, config["vocab_size"], args.new_tokens)
             rc, s, wall = flood(args.ckpt, batch, "bfloat16", False, extra)
@@ -136,9 +170,11 @@ def main() -> None:
     print("\n| dtype | batch | load s | plain read s | load/read | peak RSS | plan | peak/plan | tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype, n, s, _ in rows:
-        print(f"| {dtype} | {n} | {s['load_seconds']:.1f} | {read_s:.1f} | {s['load_seconds'] / read_s:.2f}x | "
-              f"{gib(s['peak_rss_bytes'])} | {gib(s['plan_total_bytes'])} | "
-              f"{s['peak_rss_bytes'] / s['plan_total_bytes']:.3f} | {s['generated_tokens_per_s']:.2f} |")
+        print(
+            f"| {dtype} | {n} | {s['load_seconds']:.1f} | {read_s:.1f} | {s['load_seconds'] / read_s:.2f}x | "
+            f"{gib(s['peak_rss_bytes'])} | {gib(s['plan_total_bytes'])} | "
+            f"{s['peak_rss_bytes'] / s['plan_total_bytes']:.3f} | {s['generated_tokens_per_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

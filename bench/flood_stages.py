@@ -36,8 +36,10 @@ from lingctl.model.checkpoint import save_checkpoint  # noqa: E402
 
 
 def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, dict[int, list[int]]]:
-    reqs = [GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=new, temperature=0.0))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=new, temperature=0.0))
+        for i, p in enumerate(prompts)
+    ]
     t = time.perf_counter()
     out = {r.key: r.token_ids for r in engine.generate(reqs)}
     return time.perf_counter() - t, out
@@ -66,12 +68,20 @@ def main() -> None:
             pool = KVPool(c.num_hidden_layers, kv + 1, c.num_key_value_heads, c.head_dim, torch.float32)
             return Engine(EngineConfig(kv_cache_tokens=kv), model_config=c, runner=LocalRunner(model, pool))
 
-        setups = [("one process, 1 thread", lambda: local(1)),
-                  (f"one process, {cores} threads", lambda: local(cores)),
-                  ("2 stages x 1 thread", lambda: Engine(
-                      EngineConfig(kv_cache_tokens=kv, stages=2), model_config=md.config,
-                      runner=PipelineRunner(ckpt, stages=2, dtype=torch.float32, quantize=None,
-                                            kv_cache_tokens=kv, threads_per_stage=1)))]
+        setups = [
+            ("one process, 1 thread", lambda: local(1)),
+            (f"one process, {cores} threads", lambda: local(cores)),
+            (
+                "2 stages x 1 thread",
+                lambda: Engine(
+                    EngineConfig(kv_cache_tokens=kv, stages=2),
+                    model_config=md.config,
+                    runner=PipelineRunner(
+                        ckpt, stages=2, dtype=torch.float32, quantize=None, kv_cache_tokens=kv, threads_per_stage=1
+                    ),
+                ),
+            ),
+        ]
         reference = None
         for name, make in setups:
             engine = make()
@@ -87,21 +97,33 @@ def main() -> None:
             finally:
                 engine.close()
             tokens = args.requests * args.new
-            results[name] = {"seconds": round(best, 3), "tokens_per_s": round(tokens / best, 1),
-                             "steps": engine.stats.scheduler.steps}
+            results[name] = {
+                "seconds": round(best, 3),
+                "tokens_per_s": round(tokens / best, 1),
+                "steps": engine.stats.scheduler.steps,
+            }
     base = results["one process, 1 thread"]["tokens_per_s"]
     for r in results.values():
         r["vs_one_thread"] = round(r["tokens_per_s"] / base, 2)
-    report = {"requests": args.requests, "new_tokens": args.new, "cores": cores, "torch": torch.__version__,
-              "results": results}
+    report = {
+        "requests": args.requests,
+        "new_tokens": args.new,
+        "cores": cores,
+        "torch": torch.__version__,
+        "results": results,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{args.requests} greedy requests x {args.new} new tokens, 4-layer MoE (31M), {cores} cores, "
-          f"torch {torch.__version__}; outputs identical across configurations")
+    print(
+        f"{args.requests} greedy requests x {args.new} new tokens, 4-layer MoE (31M), {cores} cores, "
+        f"torch {torch.__version__}; outputs identical across configurations"
+    )
     for name, r in results.items():
-        print(f"  {name:<28} {r['seconds']:7.2f} s {r['tokens_per_s']:9.1f} tok/s  x{r['vs_one_thread']:.2f}"
-              f"  ({r['steps']} steps)")
+        print(
+            f"  {name:<28} {r['seconds']:7.2f} s {r['tokens_per_s']:9.1f} tok/s  x{r['vs_one_thread']:.2f}"
+            f"  ({r['steps']} steps)"
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from flood_vs_hf import build_ling, ling_config  # noqa: E402
+
 from lingctl.core.cpu_load import LoadMeter, read_budget, sample  # noqa: E402
 from lingctl.model.checkpoint import save_checkpoint  # noqa: E402
 
@@ -91,8 +91,22 @@ def run_once(ckpt: Path, batch: Path, out_dir: Path, name: str, condition: str, 
     out = out_dir / f"{name.replace(' ', '_')}-{condition}-{time.monotonic_ns()}"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(env_extra)
-    cmd = [sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(ckpt), "--out",
-           str(out / "out.jsonl"), "--dtype", dtype, "--json", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lingctl",
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(ckpt),
+        "--out",
+        str(out / "out.jsonl"),
+        "--dtype",
+        dtype,
+        "--json",
+        *args,
+    ]
     competitor = _spin() if condition == "busy" else None
     late: list[subprocess.Popen] = []
     timer = threading.Timer(LATE_S, lambda: late.append(_spin())) if condition == "late" else None
@@ -131,10 +145,16 @@ def run_once(ckpt: Path, batch: Path, out_dir: Path, name: str, condition: str, 
     background = None
     if load is not None and before is not None:
         background = max(0.0, load.busy_cores - load.own_cores - kids / window - comp / window)
-    return {"variant": name, "condition": condition, "tok_s": round(summary["generated_tokens_per_s"], 1),
-            "threads": summary.get("threads", {}), "wall_s": round(wall, 1),
-            "flood_cores": round(kids / window, 2), "competitor_cores": round(comp / window, 2),
-            "background_cores": None if background is None else round(background, 2)}
+    return {
+        "variant": name,
+        "condition": condition,
+        "tok_s": round(summary["generated_tokens_per_s"], 1),
+        "threads": summary.get("threads", {}),
+        "wall_s": round(wall, 1),
+        "flood_cores": round(kids / window, 2),
+        "competitor_cores": round(comp / window, 2),
+        "background_cores": None if background is None else round(background, 2),
+    }
 
 
 def main() -> None:
@@ -168,36 +188,49 @@ def main() -> None:
     best: dict[tuple[str, str], float | None] = {}
     for condition in conditions:
         for name in names:
-            rates = [r["tok_s"] for r in results if r["condition"] == condition and r["variant"] == name
-                     and "tok_s" in r]
+            rates = [
+                r["tok_s"] for r in results if r["condition"] == condition and r["variant"] == name and "tok_s" in r
+            ]
             best[(condition, name)] = max(rates) if rates else None
-    report: dict = {"cores": len(read_budget().cpus), "torch": torch.__version__, "dtype": args.dtype,
-                    "requests": args.requests, "new_tokens": args.new, "runs": results,
-                    "best_tok_s": {f"{c} {n}": v for (c, n), v in best.items()}}
+    report: dict = {
+        "cores": len(read_budget().cpus),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "requests": args.requests,
+        "new_tokens": args.new,
+        "runs": results,
+        "best_tok_s": {f"{c} {n}": v for (c, n), v in best.items()},
+    }
     goals = {"idle": GOAL_IDLE, "busy": GOAL_BUSY, "late": GOAL_BUSY}
     for condition in conditions:
         d, one = best.get((condition, "default")), best.get((condition, "--threads 1"))
         if d and one:
             report[f"{condition}_default_over_1_thread"] = round(d / one, 2)
-            report[f"{condition}_goal"] = (f">= {goals[condition]}: "
-                                           f"{'met' if d / one >= goals[condition] else 'not met'}")
+            report[f"{condition}_goal"] = (
+                f">= {goals[condition]}: {'met' if d / one >= goals[condition] else 'not met'}"
+            )
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"tiny Ling MoE, {args.requests} requests x {args.new} tokens, {args.dtype}, torch {torch.__version__}, "
-          f"{report['cores']} cores; best of {args.repeats} (tok/s); per run: threads at start -> at end, "
-          f"CPU of other processes (not flood, not the competitor) during the run")
+    print(
+        f"tiny Ling MoE, {args.requests} requests x {args.new} tokens, {args.dtype}, torch {torch.__version__}, "
+        f"{report['cores']} cores; best of {args.repeats} (tok/s); per run: threads at start -> at end, "
+        f"CPU of other processes (not flood, not the competitor) during the run"
+    )
     for (condition, name), v in best.items():
         runs = [r for r in results if r["condition"] == condition and r["variant"] == name]
-        threads = [f"{r['threads'].get('threads')}->{r['threads'].get('final_threads')}" for r in runs
-                   if r.get("threads")]
+        threads = [
+            f"{r['threads'].get('threads')}->{r['threads'].get('final_threads')}" for r in runs if r.get("threads")
+        ]
         bg = [r.get("background_cores") for r in runs]
         rate = "  failed" if v is None else f"{v:8.0f}"
         print(f"  {condition:5s} {name:22s} {rate}   threads {threads}, background cores {bg}")
     for condition in conditions:
         if f"{condition}_default_over_1_thread" in report:
-            print(f"{condition}: default / --threads 1 = {report[f'{condition}_default_over_1_thread']} "
-                  f"(goal {report[f'{condition}_goal']})")
+            print(
+                f"{condition}: default / --threads 1 = {report[f'{condition}_default_over_1_thread']} "
+                f"(goal {report[f'{condition}_goal']})"
+            )
 
 
 if __name__ == "__main__":

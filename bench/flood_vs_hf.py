@@ -67,11 +67,26 @@ GOAL_BS1 = 0.80  # flood batch-size-1 decode / memory-bandwidth ceiling
 
 def ling_config(kind: str, dense_width: int) -> LingConfig:
     """The tiny Ling MoE (Ling-lite's routing at hidden 256), or the same shapes with every layer dense."""
-    common = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, num_experts=64, num_experts_per_tok=6, num_shared_experts=2,
-                  moe_intermediate_size=128, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-                  initializer_range=0.02, max_position_embeddings=2048, pad_token_id=0, eos_token_id=0,
-                  torch_dtype="float32")
+    common = dict(
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=64,
+        num_experts_per_tok=6,
+        num_shared_experts=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=0,
+        torch_dtype="float32",
+    )
     if kind == "moe":
         return LingConfig(**common, intermediate_size=dense_width, first_k_dense_replace=0, norm_head=True)
     return LingConfig(**common, intermediate_size=dense_width, first_k_dense_replace=4, norm_head=False)
@@ -90,25 +105,45 @@ def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torc
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     c = ling.config
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-                  num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                  head_dim=c.head_dim, hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
-                  rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-                  attention_dropout=0.0)
+    common = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attention_dropout=0.0,
+    )
     h, kv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     sd = ling.state_dict()
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["model.word_embeddings.weight"],
-                                    "model.norm.weight": sd["model.norm.weight"],
-                                    "lm_head.weight": sd["lm_head.weight"]}
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": sd["model.word_embeddings.weight"],
+        "model.norm.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
     if kind == "moe":
         # Qwen2-MoE's qkv_bias flag lets its attention match Ling's bias-free projections exactly.
-        cfg = Qwen2MoeConfig(**common, intermediate_size=c.intermediate_size,
-                             moe_intermediate_size=c.moe_intermediate_size,
-                             shared_expert_intermediate_size=c.moe_intermediate_size * c.num_shared_experts,
-                             num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-                             norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, qkv_bias=c.use_qkv_bias,
-                             use_sliding_window=False, output_router_logits=False)
+        cfg = Qwen2MoeConfig(
+            **common,
+            intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size,
+            shared_expert_intermediate_size=c.moe_intermediate_size * c.num_shared_experts,
+            num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+            decoder_sparse_step=1,
+            qkv_bias=c.use_qkv_bias,
+            use_sliding_window=False,
+            output_router_logits=False,
+        )
         cls = Qwen2MoeForCausalLM
     else:
         cfg = LlamaConfig(**common, intermediate_size=c.intermediate_size, attention_bias=False, mlp_bias=False)
@@ -136,7 +171,8 @@ def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torc
             up = torch.stack([sd[src + f"mlp.experts.{j}.up_proj.weight"] for j in range(e)])
             out[dst + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [E, 2I, D]: [gate; up]
             out[dst + "mlp.experts.down_proj"] = torch.stack(
-                [sd[src + f"mlp.experts.{j}.down_proj.weight"] for j in range(e)])
+                [sd[src + f"mlp.experts.{j}.down_proj.weight"] for j in range(e)]
+            )
             for p in ("gate_proj", "up_proj"):
                 out[dst + f"mlp.shared_expert.{p}.weight"] = sd[src + f"mlp.shared_experts.{p}.weight"]
             # sigmoid(0) = 0.5 scales Qwen's shared expert; Ling's has no gate: double down_proj (exact in
@@ -202,15 +238,21 @@ def hf_batch(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[li
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[:, width:].tolist()
 
 
-def run_hf(hf: torch.nn.Module, w: Workload, batch: int, *, sort: bool = False,
-           subsample: int | None = None) -> dict:
+def run_hf(hf: torch.nn.Module, w: Workload, batch: int, *, sort: bool = False, subsample: int | None = None) -> dict:
     """Requests in batches of ``batch`` (in order, or sorted by output length), each batch run to its
     longest output and cut to each request's own length. ``subsample``: time only that many requests
     (batch size 1) and extrapolate to all."""
@@ -223,16 +265,21 @@ def run_hf(hf: torch.nn.Module, w: Workload, batch: int, *, sort: bool = False,
     computed = 0
     start = time.perf_counter()
     for b in range(0, len(order), batch):
-        group = order[b:b + batch]
+        group = order[b : b + batch]
         new = max(w.max_new[i] for i in group)
         rows = hf_batch(hf, [w.prompts[i] for i in group], new)
         computed += new * len(group)
         for i, row in zip(group, rows):
-            outputs[i] = row[:w.max_new[i]]
+            outputs[i] = row[: w.max_new[i]]
     seconds = time.perf_counter() - start
     useful = sum(w.max_new[i] for i in order)
-    res = {"seconds": seconds, "useful_tokens": useful, "computed_tokens": computed,
-           "tokens_per_s": useful / seconds, "outputs": outputs}
+    res = {
+        "seconds": seconds,
+        "useful_tokens": useful,
+        "computed_tokens": computed,
+        "tokens_per_s": useful / seconds,
+        "outputs": outputs,
+    }
     if subsample is not None:
         res["extrapolated_from"] = len(order)
         res["seconds"] = seconds * w.useful_tokens / useful
@@ -248,8 +295,10 @@ def run_flood(model: LingForCausalLM, w: Workload, *, prefix_sharing: bool = Tru
     kv = sum(len(p) + n for p, n in zip(w.prompts, w.max_new)) + 1024
     engine = flood_engine(model, kv)
     engine.config.prefix_sharing = prefix_sharing
-    reqs = [GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=n, temperature=0.0))
-            for i, (p, n) in enumerate(zip(w.prompts, w.max_new))]
+    reqs = [
+        GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=n, temperature=0.0))
+        for i, (p, n) in enumerate(zip(w.prompts, w.max_new))
+    ]
     outputs: dict[int, list[int]] = {}
     start = time.perf_counter()
     for res in engine.generate(reqs):
@@ -258,9 +307,15 @@ def run_flood(model: LingForCausalLM, w: Workload, *, prefix_sharing: bool = Tru
         outputs[res.key] = res.token_ids
     seconds = time.perf_counter() - start
     st = engine.stats
-    return {"seconds": seconds, "useful_tokens": st.generated_tokens, "tokens_per_s": st.generated_tokens / seconds,
-            "steps": st.scheduler.steps, "prefill_tokens": st.scheduler.prefill_tokens,
-            "prefix_tokens_saved": st.prefix_tokens_saved, "outputs": outputs}
+    return {
+        "seconds": seconds,
+        "useful_tokens": st.generated_tokens,
+        "tokens_per_s": st.generated_tokens / seconds,
+        "steps": st.scheduler.steps,
+        "prefill_tokens": st.scheduler.prefill_tokens,
+        "prefix_tokens_saved": st.prefix_tokens_saved,
+        "outputs": outputs,
+    }
 
 
 def agreement(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict:
@@ -326,9 +381,13 @@ def flood_bs1(model: LingForCausalLM, prompt: list[int], new: int) -> dict:
     out = list(engine.generate([req], on_step=lambda _: stamps.append(time.perf_counter())))
     end = time.perf_counter()
     decode_steps = len(stamps) - 1
-    return {"tokens": len(out[0].token_ids), "seconds": end - start, "steps": len(stamps),
-            "decode_tokens_per_s": decode_steps / (stamps[-1] - stamps[0]),
-            "prefill_seconds": stamps[0] - start}
+    return {
+        "tokens": len(out[0].token_ids),
+        "seconds": end - start,
+        "steps": len(stamps),
+        "decode_tokens_per_s": decode_steps / (stamps[-1] - stamps[0]),
+        "prefill_seconds": stamps[0] - start,
+    }
 
 
 def hf_bs1_decode(hf: torch.nn.Module, prompt: list[int], new: int) -> float:
@@ -345,8 +404,15 @@ def versions() -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     cpu = None
@@ -357,9 +423,16 @@ def versions() -> dict:
                 break
     except OSError:
         pass
-    return {"lingctl": lingctl.__version__, "lingctl_commit": commit, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+    return {
+        "lingctl": lingctl.__version__,
+        "lingctl_commit": commit,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -378,14 +451,21 @@ def bench_model(kind: str, args: argparse.Namespace, log) -> dict:
     config = ling_config(kind, args.dense_width)
     ling = build_ling(config)
     hf = build_hf(ling, kind, args.hf_experts)
-    res: dict = {"model": {"kind": kind, "peer": type(hf).__name__,
-                           "parameters": sum(p.numel() for p in ling.parameters()),
-                           "active_parameters": config.num_parameters(active=True) if kind == "moe" else None,
-                           "hf_experts": getattr(hf.config, "_experts_implementation", None) if kind == "moe" else None,
-                           "hf_attention": hf.config._attn_implementation}}
+    res: dict = {
+        "model": {
+            "kind": kind,
+            "peer": type(hf).__name__,
+            "parameters": sum(p.numel() for p in ling.parameters()),
+            "active_parameters": config.num_parameters(active=True) if kind == "moe" else None,
+            "hf_experts": getattr(hf.config, "_experts_implementation", None) if kind == "moe" else None,
+            "hf_attention": hf.config._attn_implementation,
+        }
+    }
     res["max_logit_diff"] = logit_diff(ling, hf, config.vocab_size)
-    log(f"{kind}: {res['model']['parameters'] / 1e6:.1f}M parameters; HF {res['model']['peer']}; "
-        f"max |logit diff| {res['max_logit_diff']:.2e}")
+    log(
+        f"{kind}: {res['model']['parameters'] / 1e6:.1f}M parameters; HF {res['model']['peer']}; "
+        f"max |logit diff| {res['max_logit_diff']:.2e}"
+    )
     warm_up(ling, hf)
 
     a = workload_a(config.vocab_size, args.requests, args.new_tokens)
@@ -398,32 +478,51 @@ def bench_model(kind: str, args: argparse.Namespace, log) -> dict:
         fl = r if fl is None or r["seconds"] < fl["seconds"] else fl
         log(f"  A  flood             {r['seconds']:7.2f} s  {r['tokens_per_s']:8.1f} tok/s")
     hf_one = run_hf(hf, a, 1, subsample=args.bs1_sample)
-    log(f"  A  HF batch size 1   {hf_one['seconds']:7.2f} s  {hf_one['tokens_per_s']:8.1f} tok/s"
-        + (f"  (timed on {args.bs1_sample} requests, extrapolated)" if args.bs1_sample else ""))
-    res["A"] = {"requests": len(a.prompts), "new_tokens": args.new_tokens, "useful_tokens": a.useful_tokens,
-                "hf_bs1": _public(hf_one), "hf_padded": _public(hf_pad), "flood": _public(fl),
-                "flood_vs_hf_padded": ratio(fl["tokens_per_s"], hf_pad["tokens_per_s"]),
-                "flood_vs_hf_bs1": ratio(fl["tokens_per_s"], hf_one["useful_tokens"] / hf_one["seconds"]),
-                "agreement_vs_hf_padded": agreement(fl["outputs"], hf_pad["outputs"]),
-                "agreement_vs_hf_bs1": agreement(fl["outputs"], hf_one["outputs"])}
+    log(
+        f"  A  HF batch size 1   {hf_one['seconds']:7.2f} s  {hf_one['tokens_per_s']:8.1f} tok/s"
+        + (f"  (timed on {args.bs1_sample} requests, extrapolated)" if args.bs1_sample else "")
+    )
+    res["A"] = {
+        "requests": len(a.prompts),
+        "new_tokens": args.new_tokens,
+        "useful_tokens": a.useful_tokens,
+        "hf_bs1": _public(hf_one),
+        "hf_padded": _public(hf_pad),
+        "flood": _public(fl),
+        "flood_vs_hf_padded": ratio(fl["tokens_per_s"], hf_pad["tokens_per_s"]),
+        "flood_vs_hf_bs1": ratio(fl["tokens_per_s"], hf_one["useful_tokens"] / hf_one["seconds"]),
+        "agreement_vs_hf_padded": agreement(fl["outputs"], hf_pad["outputs"]),
+        "agreement_vs_hf_bs1": agreement(fl["outputs"], hf_one["outputs"]),
+    }
 
     if kind == "moe" or not args.skip_dense_mixed:
         b = workload_b(config.vocab_size, args.requests, args.max_out)
         runs = {}
         if not args.skip_plain_mixed:
             runs["hf_padded"] = run_hf(hf, b, len(b.prompts))
-            log(f"  B  HF padded batch   {runs['hf_padded']['seconds']:7.2f} s  "
-                f"{runs['hf_padded']['tokens_per_s']:8.1f} useful tok/s")
+            log(
+                f"  B  HF padded batch   {runs['hf_padded']['seconds']:7.2f} s  "
+                f"{runs['hf_padded']['tokens_per_s']:8.1f} useful tok/s"
+            )
         runs["hf_sorted"] = run_hf(hf, b, args.sub_batch, sort=True)
-        log(f"  B  HF sorted x{args.sub_batch:<3d}    {runs['hf_sorted']['seconds']:7.2f} s  "
-            f"{runs['hf_sorted']['tokens_per_s']:8.1f} useful tok/s")
+        log(
+            f"  B  HF sorted x{args.sub_batch:<3d}    {runs['hf_sorted']['seconds']:7.2f} s  "
+            f"{runs['hf_sorted']['tokens_per_s']:8.1f} useful tok/s"
+        )
         runs["flood"] = run_flood(ling, b)
-        log(f"  B  flood             {runs['flood']['seconds']:7.2f} s  "
-            f"{runs['flood']['tokens_per_s']:8.1f} useful tok/s")
-        res["B"] = {"requests": len(b.prompts), "useful_tokens": b.useful_tokens, "max_out": args.max_out,
-                    "output_lengths": "log-uniform 1..%d" % args.max_out, "sub_batch": args.sub_batch,
-                    **{k: _public(v) for k, v in runs.items()},
-                    "agreement_vs_hf_sorted": agreement(runs["flood"]["outputs"], runs["hf_sorted"]["outputs"])}
+        log(
+            f"  B  flood             {runs['flood']['seconds']:7.2f} s  "
+            f"{runs['flood']['tokens_per_s']:8.1f} useful tok/s"
+        )
+        res["B"] = {
+            "requests": len(b.prompts),
+            "useful_tokens": b.useful_tokens,
+            "max_out": args.max_out,
+            "output_lengths": f"log-uniform 1..{args.max_out}",
+            "sub_batch": args.sub_batch,
+            **{k: _public(v) for k, v in runs.items()},
+            "agreement_vs_hf_sorted": agreement(runs["flood"]["outputs"], runs["hf_sorted"]["outputs"]),
+        }
         for k in ("hf_padded", "hf_sorted"):
             if k in runs:
                 res["B"][f"flood_vs_{k}"] = ratio(runs["flood"]["tokens_per_s"], runs[k]["tokens_per_s"])
@@ -433,12 +532,17 @@ def bench_model(kind: str, args: argparse.Namespace, log) -> dict:
     one = max((flood_bs1(ling, prompt, 64) for _ in range(args.rounds)), key=lambda r: r["decode_tokens_per_s"])
     need = decode_bytes(config, kind, context=64 + 64 / 2)
     ceiling = args.bandwidth["read_gb_s"] * 1e9 / need["total"]
-    res["C"] = {"flood": {k: round(v, 3) if isinstance(v, float) else v for k, v in one.items()},
-                "hf_decode_tokens_per_s": round(hf_bs1_decode(hf, prompt, 64), 1),
-                "bytes_per_token": need, "ceiling_tokens_per_s": round(ceiling, 1),
-                "of_ceiling": round(one["decode_tokens_per_s"] / ceiling, 3)}
-    log(f"  C  flood bs=1 decode {one['decode_tokens_per_s']:8.1f} tok/s; ceiling {ceiling:,.0f} tok/s "
-        f"({need['total'] / 1e6:.1f} MB per token)")
+    res["C"] = {
+        "flood": {k: round(v, 3) if isinstance(v, float) else v for k, v in one.items()},
+        "hf_decode_tokens_per_s": round(hf_bs1_decode(hf, prompt, 64), 1),
+        "bytes_per_token": need,
+        "ceiling_tokens_per_s": round(ceiling, 1),
+        "of_ceiling": round(one["decode_tokens_per_s"] / ceiling, 3),
+    }
+    log(
+        f"  C  flood bs=1 decode {one['decode_tokens_per_s']:8.1f} tok/s; ceiling {ceiling:,.0f} tok/s "
+        f"({need['total'] / 1e6:.1f} MB per token)"
+    )
     return res
 
 
@@ -446,14 +550,24 @@ def bench(args: argparse.Namespace, log) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     res: dict = {"versions": versions()}
-    res["settings"] = {"quick": args.quick, "requests": args.requests, "new_tokens": args.new_tokens,
-                       "max_out": args.max_out, "sub_batch": args.sub_batch, "bs1_sample": args.bs1_sample,
-                       "rounds": args.rounds, "dense_width": args.dense_width,
-                       "dtype": "float32", "flood": {"max_batch_tokens": 1024, "max_seqs": 256, "chunk": 16}}
+    res["settings"] = {
+        "quick": args.quick,
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "max_out": args.max_out,
+        "sub_batch": args.sub_batch,
+        "bs1_sample": args.bs1_sample,
+        "rounds": args.rounds,
+        "dense_width": args.dense_width,
+        "dtype": "float32",
+        "flood": {"max_batch_tokens": 1024, "max_seqs": 256, "chunk": 16},
+    }
     args.bandwidth = measure_bandwidth(args.bandwidth_mib << 20)
     res["bandwidth"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in args.bandwidth.items()}
-    log(f"memory bandwidth (one thread): read {args.bandwidth['read_gb_s']:.1f} GB/s, "
-        f"copy {args.bandwidth['copy_gb_s']:.1f} GB/s")
+    log(
+        f"memory bandwidth (one thread): read {args.bandwidth['read_gb_s']:.1f} GB/s, "
+        f"copy {args.bandwidth['copy_gb_s']:.1f} GB/s"
+    )
     started = time.perf_counter()
     res["moe"] = bench_model("moe", args, log)
     if not args.skip_dense:
@@ -478,20 +592,25 @@ def _met(g: dict) -> str:
 def print_table(res: dict) -> None:
     v, bw = res["versions"], res["bandwidth"]
     print()
-    print(f"lingctl {v['lingctl']} ({v['lingctl_commit']}) flood vs transformers {v['transformers']}; "
-          f"torch {v['torch']}, Python {v['python']}")
-    print(f"CPU {v['cpu']} ({v['cores']} cores), {v['threads']} compute thread; float32; "
-          f"one-thread bandwidth: read {bw['read_gb_s']} GB/s, copy {bw['copy_gb_s']} GB/s")
+    print(
+        f"lingctl {v['lingctl']} ({v['lingctl_commit']}) flood vs transformers {v['transformers']}; "
+        f"torch {v['torch']}, Python {v['python']}"
+    )
+    print(
+        f"CPU {v['cpu']} ({v['cores']} cores), {v['threads']} compute thread; float32; "
+        f"one-thread bandwidth: read {bw['read_gb_s']} GB/s, copy {bw['copy_gb_s']} GB/s"
+    )
     print("flood: max_batch_tokens 1024, max_seqs 256, chunk 16; HF: generate(), greedy, no EOS, SDPA attention")
     for kind in ("moe", "dense"):
         if kind not in res:
             continue
         r = res[kind]
         m = r["model"]
-        extra = (f", {m['active_parameters'] / 1e6:.1f}M active, HF experts '{m['hf_experts']}'"
-                 if kind == "moe" else "")
-        print(f"\n== {kind}: {m['parameters'] / 1e6:.1f}M parameters{extra}; peer {m['peer']}; "
-              f"max |logit diff| {r['max_logit_diff']:.1e}")
+        extra = f", {m['active_parameters'] / 1e6:.1f}M active, HF experts '{m['hf_experts']}'" if kind == "moe" else ""
+        print(
+            f"\n== {kind}: {m['parameters'] / 1e6:.1f}M parameters{extra}; peer {m['peer']}; "
+            f"max |logit diff| {r['max_logit_diff']:.1e}"
+        )
         head = f"{'measurement':56s} {'seconds':>8s} {'tok/s':>9s} {'flood x':>8s}"
         print(head)
         print("-" * len(head))
@@ -499,47 +618,67 @@ def print_table(res: dict) -> None:
         fl = a["flood"]["tokens_per_s"]
         one = a["hf_bs1"]
         note = f" (extrapolated from {one['extrapolated_from']})" if "extrapolated_from" in one else ""
-        rows = [(f"A HF generate, batch size 1{note}", one["seconds"], one["useful_tokens"] / one["seconds"]),
-                (f"A HF generate, one padded batch of {a['requests']}", a["hf_padded"]["seconds"],
-                 a["hf_padded"]["tokens_per_s"]),
-                (f"A flood, {a['requests']} requests at once", a["flood"]["seconds"], fl)]
+        rows = [
+            (f"A HF generate, batch size 1{note}", one["seconds"], one["useful_tokens"] / one["seconds"]),
+            (
+                f"A HF generate, one padded batch of {a['requests']}",
+                a["hf_padded"]["seconds"],
+                a["hf_padded"]["tokens_per_s"],
+            ),
+            (f"A flood, {a['requests']} requests at once", a["flood"]["seconds"], fl),
+        ]
         for name, sec, tps in rows:
             print(f"{name:56s} {sec:8.2f} {tps:9.1f} {fl / tps:8.2f}")
         ag, ag1 = a["agreement_vs_hf_padded"], a["agreement_vs_hf_bs1"]
-        print(f"  greedy agreement flood vs HF padded: {ag['identical']}/{ag['sequences']} identical, "
-              f"{100 * ag['prefix_agreement']:.1f}% of tokens before a first difference; vs HF bs=1: "
-              f"{ag1['identical']}/{ag1['sequences']}, {100 * ag1['prefix_agreement']:.1f}%")
+        print(
+            f"  greedy agreement flood vs HF padded: {ag['identical']}/{ag['sequences']} identical, "
+            f"{100 * ag['prefix_agreement']:.1f}% of tokens before a first difference; vs HF bs=1: "
+            f"{ag1['identical']}/{ag1['sequences']}, {100 * ag1['prefix_agreement']:.1f}%"
+        )
         if "B" in r:
             b = r["B"]
             fl = b["flood"]["tokens_per_s"]
-            print(f"B mixed: {b['requests']} requests, 64-token shared system prompt + 16-48 own tokens, outputs "
-                  f"{b['output_lengths']} ({b['useful_tokens']:,} useful tokens)")
-            for key, name in (("hf_padded", f"B HF one padded batch of {b['requests']}, run to the longest"),
-                              ("hf_sorted", f"B HF sorted by length, sub-batches of {b['sub_batch']}"),
-                              ("flood", "B flood, own lengths + prefix sharing")):
+            print(
+                f"B mixed: {b['requests']} requests, 64-token shared system prompt + 16-48 own tokens, outputs "
+                f"{b['output_lengths']} ({b['useful_tokens']:,} useful tokens)"
+            )
+            for key, name in (
+                ("hf_padded", f"B HF one padded batch of {b['requests']}, run to the longest"),
+                ("hf_sorted", f"B HF sorted by length, sub-batches of {b['sub_batch']}"),
+                ("flood", "B flood, own lengths + prefix sharing"),
+            ):
                 if key in b:
                     x = b[key]
                     comp = f" [{x['computed_tokens']:,} computed]" if "computed_tokens" in x else ""
-                    print(f"{name:56s} {x['seconds']:8.2f} {x['tokens_per_s']:9.1f} "
-                          f"{fl / x['tokens_per_s']:8.2f}{comp}")
+                    print(
+                        f"{name:56s} {x['seconds']:8.2f} {x['tokens_per_s']:9.1f} {fl / x['tokens_per_s']:8.2f}{comp}"
+                    )
             ag = b["agreement_vs_hf_sorted"]
-            print(f"  flood prefilled {b['flood']['prefill_tokens']:,} prompt tokens, "
-                  f"{b['flood']['prefix_tokens_saved']:,} saved by sharing; agreement vs HF sorted: "
-                  f"{ag['identical']}/{ag['sequences']} identical, "
-                  f"{100 * ag['prefix_agreement']:.1f}%")
+            print(
+                f"  flood prefilled {b['flood']['prefill_tokens']:,} prompt tokens, "
+                f"{b['flood']['prefix_tokens_saved']:,} saved by sharing; agreement vs HF sorted: "
+                f"{ag['identical']}/{ag['sequences']} identical, "
+                f"{100 * ag['prefix_agreement']:.1f}%"
+            )
         c = r["C"]
-        print(f"C flood batch size 1 decode (64-token prompt, 64 new): {c['flood']['decode_tokens_per_s']:.1f} tok/s "
-              f"(HF generate bs=1: {c['hf_decode_tokens_per_s']:.1f}); reads "
-              f"{c['bytes_per_token']['total'] / 1e6:.1f} MB "
-              f"per token ({c['bytes_per_token']['weights'] / 1e6:.1f} MB weights) -> ceiling "
-              f"{c['ceiling_tokens_per_s']:,.0f} tok/s; flood at {100 * c['of_ceiling']:.1f}% of it")
-    print("\nThe active weights (~25 MB) partly fit in this CPU's caches, so the bandwidth ceiling is a DRAM bound "
-          "only approximately.")
+        print(
+            f"C flood batch size 1 decode (64-token prompt, 64 new): {c['flood']['decode_tokens_per_s']:.1f} tok/s "
+            f"(HF generate bs=1: {c['hf_decode_tokens_per_s']:.1f}); reads "
+            f"{c['bytes_per_token']['total'] / 1e6:.1f} MB "
+            f"per token ({c['bytes_per_token']['weights'] / 1e6:.1f} MB weights) -> ceiling "
+            f"{c['ceiling_tokens_per_s']:,.0f} tok/s; flood at {100 * c['of_ceiling']:.1f}% of it"
+        )
+    print(
+        "\nThe active weights (~25 MB) partly fit in this CPU's caches, so the bandwidth ceiling is a DRAM bound "
+        "only approximately."
+    )
     print("\ngoals (MoE model):")
-    names = {"batch_vs_hf_padded": "A: flood >= 1.5x HF padded batch",
-             "mixed_vs_hf_padded": "B: flood >= 2x HF padded batch (one batch)",
-             "mixed_vs_hf_sorted": "B: flood >= 2x HF padded batch (sorted sub-batches)",
-             "bs1_of_ceiling": "C: bs=1 decode >= 80% of the bandwidth ceiling"}
+    names = {
+        "batch_vs_hf_padded": "A: flood >= 1.5x HF padded batch",
+        "mixed_vs_hf_padded": "B: flood >= 2x HF padded batch (one batch)",
+        "mixed_vs_hf_sorted": "B: flood >= 2x HF padded batch (sorted sub-batches)",
+        "bs1_of_ceiling": "C: bs=1 decode >= 80% of the bandwidth ceiling",
+    }
     for key, g in res["goals"].items():
         print(f"  {names[key]:52s} {'-' if g['value'] is None else g['value']:>6}  {_met(g)}")
     print(f"\nbenchmark wall time {res['seconds']:.0f} s")
@@ -552,10 +691,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="workload A: tokens generated per request")
     parser.add_argument("--max-out", type=int, default=512, help="workload B: longest output length")
     parser.add_argument("--sub-batch", type=int, default=16, help="workload B: HF's sorted sub-batch size")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="workload A batch sides and C: rounds, alternating the sides; the fastest counts")
-    parser.add_argument("--bs1-sample", type=int, default=None,
-                        help="time HF at batch size 1 on this many requests and extrapolate")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="workload A batch sides and C: rounds, alternating the sides; the fastest counts",
+    )
+    parser.add_argument(
+        "--bs1-sample", type=int, default=None, help="time HF at batch size 1 on this many requests and extrapolate"
+    )
     parser.add_argument("--dense-width", type=int, default=1024, help="intermediate_size of the dense model")
     parser.add_argument("--hf-experts", default=None, help="HF experts implementation (default: its own choice)")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)

@@ -73,14 +73,14 @@ except ImportError:  # a lingctl without a thread policy leaves OpenMP's default
 else:
     prefer_passive_wait()
 
-import torch
-from flood_vs_hf import SEED, Workload, agreement, ling_config, run_flood, workload_a
+import torch  # noqa: E402 (after the wait policy above)
+from flood_vs_hf import SEED, Workload, agreement, ling_config, run_flood, workload_a  # noqa: E402
 
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # read before anything changes it
 
-import lingctl
-from lingctl.model.checkpoint import CONFIG, save_checkpoint
-from lingctl.model.ling import LingForCausalLM
+import lingctl  # noqa: E402
+from lingctl.model.checkpoint import CONFIG, save_checkpoint  # noqa: E402
+from lingctl.model.ling import LingForCausalLM  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -142,7 +142,7 @@ def _tree_cpu_seconds(pid: int) -> float:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry.name))
         ticks[int(entry.name)] = int(fields[11]) + int(fields[12])  # utime + stime
     total, todo = 0, [pid]
@@ -156,26 +156,59 @@ def _tree_cpu_seconds(pid: int) -> float:
 class VllmSide:
     """The driver subprocess: started with a thread setting, asked to run the workload, stopped."""
 
-    def __init__(self, model_dir: Path, work: Workload, warm: Workload, bind: str, log_path: Path,
-                 scratch: Path, max_batched_tokens: int) -> None:
-        spec = {"prompts": work.prompts, "new_tokens": work.max_new[0],
-                "warmup_prompts": warm.prompts, "warmup_new": warm.max_new[0]}
+    def __init__(
+        self,
+        model_dir: Path,
+        work: Workload,
+        warm: Workload,
+        bind: str,
+        log_path: Path,
+        scratch: Path,
+        max_batched_tokens: int,
+    ) -> None:
+        spec = {
+            "prompts": work.prompts,
+            "new_tokens": work.max_new[0],
+            "warmup_prompts": warm.prompts,
+            "warmup_new": warm.max_new[0],
+        }
         spec_path = scratch / "workload.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            VLLM_CPU_OMP_THREADS_BIND=bind,
+            VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         for var in ("OMP_NUM_THREADS", "PYTHONPATH"):  # vLLM sets the worker's OpenMP itself
             env.pop(var, None)
         if USER_WAIT_POLICY is None:
             env.pop("OMP_WAIT_POLICY", None)
         longest = max(map(len, work.prompts)) + work.max_new[0]
-        cmd = [str(VLLM_PYTHON), str(DRIVER), "--model", str(model_dir), "--workload", str(spec_path),
-               "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", str(max_batched_tokens),
-               "--max-model-len", str(max(256, longest)), "--seed", str(SEED)]
+        cmd = [
+            str(VLLM_PYTHON),
+            str(DRIVER),
+            "--model",
+            str(model_dir),
+            "--workload",
+            str(spec_path),
+            "--max-num-seqs",
+            str(MAX_SEQS),
+            "--max-num-batched-tokens",
+            str(max_batched_tokens),
+            "--max-model-len",
+            str(max(256, longest)),
+            "--seed",
+            str(SEED),
+        ]
         self.log_path = log_path
         with open(log_path, "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                         text=True, env=env, cwd=scratch)
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=scratch
+            )
         self.ready = self._answer(READY_TIMEOUT_S)
 
     def _answer(self, timeout_s: float) -> dict:
@@ -248,8 +281,13 @@ def thread_choice(log_text: str) -> dict:
     if m:
         out["reserved_cpus"] = [int(x) for x in m.group(1).split(",") if x.strip()]
     # what else vLLM says about threads and its CPU set-up (e.g. the engine core's own torch threads)
-    notes = sorted({m.strip() for m in re.findall(r"(?:INFO|WARNING) [\d-]+ [\d:]+ \[[^\]]*\]\s*(.*)", log_text)
-                    if "LD_PRELOAD" in m or "Torch threads" in m})
+    notes = sorted(
+        {
+            m.strip()
+            for m in re.findall(r"(?:INFO|WARNING) [\d-]+ [\d:]+ \[[^\]]*\]\s*(.*)", log_text)
+            if "LD_PRELOAD" in m or "Torch threads" in m
+        }
+    )
     if notes:
         out["notes"] = notes
     return out
@@ -270,9 +308,11 @@ class Mode:
 
 def thread_modes() -> dict[str, Mode]:
     first = min(os.sched_getaffinity(0))  # the core vLLM's auto binding picks first
-    return {"one": Mode(name="one", flood_threads=1, vllm_bind=str(first), pin=None),
-            "default": Mode(name="default", flood_threads=None, vllm_bind="auto", pin=None),
-            "core": Mode(name="core", flood_threads=1, vllm_bind=str(first), pin=frozenset({first}))}
+    return {
+        "one": Mode(name="one", flood_threads=1, vllm_bind=str(first), pin=None),
+        "default": Mode(name="default", flood_threads=None, vllm_bind="auto", pin=None),
+        "core": Mode(name="core", flood_threads=1, vllm_bind=str(first), pin=frozenset({first})),
+    }
 
 
 def flood_default_threads() -> tuple[int, str]:
@@ -311,8 +351,9 @@ def _fastest(best: dict | None, r: dict) -> dict:
     return r if best is None or r["seconds"] < best["seconds"] else best
 
 
-def phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, warm: Workload,
-          args: argparse.Namespace, log) -> dict:
+def phase(
+    mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, warm: Workload, args: argparse.Namespace, log
+) -> dict:
     machine = os.sched_getaffinity(0)
     if mode.pin is not None:
         os.sched_setaffinity(0, mode.pin)  # this process, and vLLM's, which inherit it
@@ -322,8 +363,9 @@ def phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, w
         os.sched_setaffinity(0, machine)
 
 
-def _phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, warm: Workload,
-           args: argparse.Namespace, log) -> dict:
+def _phase(
+    mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, warm: Workload, args: argparse.Namespace, log
+) -> dict:
     bind = mode.vllm_bind
     if mode.flood_threads is None:
         threads, how = flood_default_threads()
@@ -338,8 +380,10 @@ def _phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, 
     vllm_while_flood = 0.0
     try:
         ready = vllm.ready
-        log(f"[{mode.name}] vLLM ready after {time.perf_counter() - started:.0f} s "
-            f"(load {ready['load_seconds']:.0f} s, warm-up {ready['warmup_seconds']:.1f} s)")
+        log(
+            f"[{mode.name}] vLLM ready after {time.perf_counter() - started:.0f} s "
+            f"(load {ready['load_seconds']:.0f} s, warm-up {ready['warmup_seconds']:.1f} s)"
+        )
         vllm.wait_idle()
         run_flood(model, warm)  # flood's warm-up
         fl = vl = None
@@ -357,20 +401,33 @@ def _phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, 
         vllm.close()
     assert fl is not None and vl is not None
     choice = thread_choice(log_path.read_text())
-    return {"pin": sorted(mode.pin) if mode.pin else None,
-            "flood": {"threads": threads, "threads_chosen_by": how, "seconds": round(fl["seconds"], 3),
-                      "cpu_seconds": round(fl["cpu_seconds"], 2),
-                      "others_cpu_seconds": round(max(0.0, fl["others_cpu_seconds"]), 2),
-                      "tokens_per_s": round(fl["tokens_per_s"], 1), "generated_tokens": fl["useful_tokens"]},
-            "vllm": {"bind": bind, "threads": choice, "seconds": round(vl["seconds"], 3),
-                     "cpu_seconds": round(vl["cpu_seconds"], 2),
-                     "others_cpu_seconds": round(max(0.0, vl["others_cpu_seconds"]), 2),
-                     "tokens_per_s": round(vl["tokens_per_s"], 1), "generated_tokens": vl["generated_tokens"],
-                     "cpu_seconds_during_flood": round(vllm_while_flood, 2),
-                     "start_seconds": round(time.perf_counter() - started, 1), **{
-                         k: ready[k] for k in ("load_seconds", "warmup_seconds", "settings", "env", "versions")}},
-            "flood_vs_vllm": round(fl["tokens_per_s"] / vl["tokens_per_s"], 2),
-            "agreement": agreement(fl["outputs"], vl["outputs"]), "log": str(log_path)}
+    return {
+        "pin": sorted(mode.pin) if mode.pin else None,
+        "flood": {
+            "threads": threads,
+            "threads_chosen_by": how,
+            "seconds": round(fl["seconds"], 3),
+            "cpu_seconds": round(fl["cpu_seconds"], 2),
+            "others_cpu_seconds": round(max(0.0, fl["others_cpu_seconds"]), 2),
+            "tokens_per_s": round(fl["tokens_per_s"], 1),
+            "generated_tokens": fl["useful_tokens"],
+        },
+        "vllm": {
+            "bind": bind,
+            "threads": choice,
+            "seconds": round(vl["seconds"], 3),
+            "cpu_seconds": round(vl["cpu_seconds"], 2),
+            "others_cpu_seconds": round(max(0.0, vl["others_cpu_seconds"]), 2),
+            "tokens_per_s": round(vl["tokens_per_s"], 1),
+            "generated_tokens": vl["generated_tokens"],
+            "cpu_seconds_during_flood": round(vllm_while_flood, 2),
+            "start_seconds": round(time.perf_counter() - started, 1),
+            **{k: ready[k] for k in ("load_seconds", "warmup_seconds", "settings", "env", "versions")},
+        },
+        "flood_vs_vllm": round(fl["tokens_per_s"] / vl["tokens_per_s"], 2),
+        "agreement": agreement(fl["outputs"], vl["outputs"]),
+        "log": str(log_path),
+    }
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
@@ -378,12 +435,15 @@ def _phase(mode: Mode, model: LingForCausalLM, model_dir: Path, work: Workload, 
 
 def lingctl_state() -> dict:
     """The commit measured and whether the working tree differed from it (and in which files)."""
+
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", "-C", str(ROOT), *a], check=False, capture_output=True, text=True,
-                                  timeout=10).stdout
+            return subprocess.run(
+                ["git", "-C", str(ROOT), *a], check=False, capture_output=True, text=True, timeout=10
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
+
     changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or None, "modified": changed}
 
@@ -405,24 +465,40 @@ def bench(args: argparse.Namespace, log) -> dict:
     config = ling_config("moe", 1024)
     work = workload_a(config.vocab_size, args.requests, args.new_tokens)
     warm = Workload("warm-up", work.prompts[:8], [8] * min(8, len(work.prompts)))
-    res: dict = {"versions": {"lingctl": lingctl.__version__, **lingctl_state(), "torch": torch.__version__,
-                              "python": platform.python_version(), "cpu": cpu_name(), "cores": os.cpu_count(),
-                              "torch_default_threads": TORCH_DEFAULT_THREADS,
-                              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-                 "settings": {"quick": args.quick, "requests": len(work.prompts), "new_tokens": args.new_tokens,
-                              "prompt_tokens": sum(map(len, work.prompts)), "rounds": args.rounds,
-                              "warmup": {"requests": len(warm.prompts), "new_tokens": warm.max_new[0]},
-                              "flood": {"max_batch_tokens": MAX_BATCH_TOKENS, "max_seqs": MAX_SEQS, "chunk": 16},
-                              "vllm_kv_cache_gib": KV_CACHE_GIB}}
+    res: dict = {
+        "versions": {
+            "lingctl": lingctl.__version__,
+            **lingctl_state(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "torch_default_threads": TORCH_DEFAULT_THREADS,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        },
+        "settings": {
+            "quick": args.quick,
+            "requests": len(work.prompts),
+            "new_tokens": args.new_tokens,
+            "prompt_tokens": sum(map(len, work.prompts)),
+            "rounds": args.rounds,
+            "warmup": {"requests": len(warm.prompts), "new_tokens": warm.max_new[0]},
+            "flood": {"max_batch_tokens": MAX_BATCH_TOKENS, "max_seqs": MAX_SEQS, "chunk": 16},
+            "vllm_kv_cache_gib": KV_CACHE_GIB,
+        },
+    }
     res["versions"]["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flood-vs-vllm-") as tmp:
         args.scratch = Path(tmp)
         model_dir = args.scratch / "ling-tiny-moe"
         model = build_models(model_dir, args.head)
-        res["model"] = {"parameters": sum(p.numel() for p in model.parameters()),
-                        "active_parameters": config.num_parameters(active=True), "dtype": "float32",
-                        "norm_head_applied_by": args.head}
+        res["model"] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "active_parameters": config.num_parameters(active=True),
+            "dtype": "float32",
+            "norm_head_applied_by": args.head,
+        }
         res["phases"] = {}
         modes = thread_modes()
         for name in args.threads:
@@ -430,28 +506,41 @@ def bench(args: argparse.Namespace, log) -> dict:
     res["versions"]["vllm"] = next(iter(res["phases"].values()))["vllm"]["versions"]["vllm"]
     res["seconds"] = round(time.perf_counter() - started, 1)
     res["versions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["goals"] = {mode: {"goal": GOAL, "value": p["flood_vs_vllm"], "met": p["flood_vs_vllm"] >= GOAL}
-                    for mode, p in res["phases"].items()}
+    res["goals"] = {
+        mode: {"goal": GOAL, "value": p["flood_vs_vllm"], "met": p["flood_vs_vllm"] >= GOAL}
+        for mode, p in res["phases"].items()
+    }
     return res
 
 
-PHASE_NAMES = {"one": "one compute thread each", "default": "each side's default threads",
-               "core": "every process on one core"}
+PHASE_NAMES = {
+    "one": "one compute thread each",
+    "default": "each side's default threads",
+    "core": "every process on one core",
+}
 
 
 def print_table(res: dict) -> None:
     v, s = res["versions"], res["settings"]
     state = "clean" if not v["modified"] else "modified: " + ", ".join(v["modified"])
     print()
-    print(f"lingctl {v['lingctl']} ({v['commit']}, working tree {state}) flood vs vLLM-CPU {v['vllm']}; "
-          f"torch {v['torch']}, Python {v['python']}")
-    print(f"CPU {v['cpu']} ({v['cores']} cores); tiny Ling MoE {res['model']['parameters'] / 1e6:.1f}M parameters "
-          f"({res['model']['active_parameters'] / 1e6:.1f}M active), float32; NormHead applied by "
-          f"{res['model']['norm_head_applied_by']}")
-    print(f"{s['requests']} prompts of 48-80 random ids ({s['prompt_tokens']:,} tokens), {s['new_tokens']} greedy "
-          f"new tokens each, no EOS, all submitted at once; best of {s['rounds']} alternating rounds after a warm-up")
-    head = (f"{'threads':9s} {'side':6s} {'threads used':46s} {'seconds':>8s} {'CPU s':>7s} {'others':>7s} "
-            f"{'tok/s':>9s} {'flood x':>8s} {'same':>7s}")
+    print(
+        f"lingctl {v['lingctl']} ({v['commit']}, working tree {state}) flood vs vLLM-CPU {v['vllm']}; "
+        f"torch {v['torch']}, Python {v['python']}"
+    )
+    print(
+        f"CPU {v['cpu']} ({v['cores']} cores); tiny Ling MoE {res['model']['parameters'] / 1e6:.1f}M parameters "
+        f"({res['model']['active_parameters'] / 1e6:.1f}M active), float32; NormHead applied by "
+        f"{res['model']['norm_head_applied_by']}"
+    )
+    print(
+        f"{s['requests']} prompts of 48-80 random ids ({s['prompt_tokens']:,} tokens), {s['new_tokens']} greedy "
+        f"new tokens each, no EOS, all submitted at once; best of {s['rounds']} alternating rounds after a warm-up"
+    )
+    head = (
+        f"{'threads':9s} {'side':6s} {'threads used':46s} {'seconds':>8s} {'CPU s':>7s} {'others':>7s} "
+        f"{'tok/s':>9s} {'flood x':>8s} {'same':>7s}"
+    )
     print()
     print(head)
     print("-" * len(head))
@@ -459,40 +548,54 @@ def print_table(res: dict) -> None:
         fl, vl, ag = p["flood"], p["vllm"], p["agreement"]
         t = vl["threads"]
         pin = f"; all on {p['pin']}" if p["pin"] else ""
-        used = (f"worker {t.get('worker_threads', '?')} OMP on {t.get('worker_cores', '?')}, "
-                f"reserved {t.get('reserved_cpus', '?')}{pin}")
-        print(f"{mode:9s} {'vLLM':6s} {used:46s} {vl['seconds']:8.2f} {vl['cpu_seconds']:7.2f} "
-              f"{vl['others_cpu_seconds']:7.2f} {vl['tokens_per_s']:9.1f}")
+        used = (
+            f"worker {t.get('worker_threads', '?')} OMP on {t.get('worker_cores', '?')}, "
+            f"reserved {t.get('reserved_cpus', '?')}{pin}"
+        )
+        print(
+            f"{mode:9s} {'vLLM':6s} {used:46s} {vl['seconds']:8.2f} {vl['cpu_seconds']:7.2f} "
+            f"{vl['others_cpu_seconds']:7.2f} {vl['tokens_per_s']:9.1f}"
+        )
         used = f"{fl['threads']} torch thread(s){pin}"
-        print(f"{'':9s} {'flood':6s} {used:46s} {fl['seconds']:8.2f} "
-              f"{fl['cpu_seconds']:7.2f} {fl['others_cpu_seconds']:7.2f} {fl['tokens_per_s']:9.1f} "
-              f"{p['flood_vs_vllm']:8.2f} {ag['identical']:>3d}/{ag['sequences']:<3d}")
-    print("CPU s: the side's own CPU time in its fastest round (vLLM: front end + engine core + worker); "
-          "others: every other process's meanwhile")
+        print(
+            f"{'':9s} {'flood':6s} {used:46s} {fl['seconds']:8.2f} "
+            f"{fl['cpu_seconds']:7.2f} {fl['others_cpu_seconds']:7.2f} {fl['tokens_per_s']:9.1f} "
+            f"{p['flood_vs_vllm']:8.2f} {ag['identical']:>3d}/{ag['sequences']:<3d}"
+        )
+    print(
+        "CPU s: the side's own CPU time in its fastest round (vLLM: front end + engine core + worker); "
+        "others: every other process's meanwhile"
+    )
     first = next(iter(res["phases"].values()))["vllm"]
     st = first["settings"]
-    print(f"\nvLLM: {st['executor']} executor, compilation mode {st['compilation_mode']} "
-          f"({st['compilation_backend']}), max_num_seqs {st['max_num_seqs']}, max_num_batched_tokens "
-          f"{st['max_num_batched_tokens']}, chunked prefill {st['enable_chunked_prefill']}, prefix caching "
-          f"{st['enable_prefix_caching']}, block {st['block_size']}, KV {res['settings']['vllm_kv_cache_gib']} GiB; "
-          f"start-up {first['start_seconds']:.0f} s (LLM() {first['load_seconds']:.0f} s)")
+    print(
+        f"\nvLLM: {st['executor']} executor, compilation mode {st['compilation_mode']} "
+        f"({st['compilation_backend']}), max_num_seqs {st['max_num_seqs']}, max_num_batched_tokens "
+        f"{st['max_num_batched_tokens']}, chunked prefill {st['enable_chunked_prefill']}, prefix caching "
+        f"{st['enable_prefix_caching']}, block {st['block_size']}, KV {res['settings']['vllm_kv_cache_gib']} GiB; "
+        f"start-up {first['start_seconds']:.0f} s (LLM() {first['load_seconds']:.0f} s)"
+    )
     idle = max(p["vllm"]["cpu_seconds_during_flood"] for p in res["phases"].values())
     print(f"vLLM's processes used at most {idle:.2f} CPU s while flood ran (they are left idle)")
     notes = sorted({n for p in res["phases"].values() for n in p["vllm"]["threads"].get("notes", [])})
     for n in notes:
         print(f"vLLM log: {n}")
     fs = res["settings"]["flood"]
-    print(f"flood: Engine.local in this process, max_batch_tokens {fs['max_batch_tokens']}, max_seqs "
-          f"{fs['max_seqs']}, chunk {fs['chunk']}; OMP_WAIT_POLICY {v['omp_wait_policy']}; torch default threads "
-          f"{v['torch_default_threads']}")
+    print(
+        f"flood: Engine.local in this process, max_batch_tokens {fs['max_batch_tokens']}, max_seqs "
+        f"{fs['max_seqs']}, chunk {fs['chunk']}; OMP_WAIT_POLICY {v['omp_wait_policy']}; torch default threads "
+        f"{v['torch_default_threads']}"
+    )
     if "default" in res["phases"]:
         print(f"flood default threads: {res['phases']['default']['flood']['threads_chosen_by']}")
     print(f"load average at start {v['loadavg_start']}, at end {v['loadavg_end']}")
     print("\ngoals (flood / vLLM in generated tok/s, with identical greedy tokens):")
     for mode, g in res["goals"].items():
         ag = res["phases"][mode]["agreement"]
-        print(f"  {mode:8s} {PHASE_NAMES[mode]:30s} >= {g['goal']:.1f}x: {g['value']:5.2f}  "
-              f"{'met' if g['met'] else 'NOT met'}; identical {ag['identical']}/{ag['sequences']}")
+        print(
+            f"  {mode:8s} {PHASE_NAMES[mode]:30s} >= {g['goal']:.1f}x: {g['value']:5.2f}  "
+            f"{'met' if g['met'] else 'NOT met'}; identical {ag['identical']}/{ag['sequences']}"
+        )
     print(f"\nbenchmark wall time {res['seconds']:.0f} s")
 
 
@@ -502,16 +605,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="repetitions, alternating the sides; fastest counts")
-    parser.add_argument("--threads", default=None,
-                        help="comma-separated phases: one, default, core (default: all; --quick: one)")
-    parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "flood-vs-vllm-logs",
-                        help="where vLLM's logs are kept")
-    parser.add_argument("--vllm-batched-tokens", type=int, default=MAX_BATCH_TOKENS,
-                        help="vLLM's max_num_batched_tokens (default: flood's per-step budget; vLLM's own CPU "
-                             "default for the LLM API is 4096)")
-    parser.add_argument("--head", choices=("lingctl", "vllm"), default="lingctl",
-                        help="who applies NormHead to vLLM's head: lingctl before saving (the same matrix on both "
-                             "sides) or vLLM at load")
+    parser.add_argument(
+        "--threads", default=None, help="comma-separated phases: one, default, core (default: all; --quick: one)"
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "flood-vs-vllm-logs",
+        help="where vLLM's logs are kept",
+    )
+    parser.add_argument(
+        "--vllm-batched-tokens",
+        type=int,
+        default=MAX_BATCH_TOKENS,
+        help="vLLM's max_num_batched_tokens (default: flood's per-step budget; vLLM's own CPU "
+        "default for the LLM API is 4096)",
+    )
+    parser.add_argument(
+        "--head",
+        choices=("lingctl", "vllm"),
+        default="lingctl",
+        help="who applies NormHead to vLLM's head: lingctl before saving (the same matrix on both "
+        "sides) or vLLM at load",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.quick:

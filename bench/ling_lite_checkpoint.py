@@ -74,14 +74,15 @@ def write(out: Path, layers: int, shards: int, seed: int) -> int:
                 start = int(torch.randint(0, POOL, (1,), generator=gen))
                 for j in range(0, n, PIECE):
                     m = min(PIECE, n - j)
-                    src = ones[:m] if name.endswith("norm.weight") else pool[start:start + m]
+                    src = ones[:m] if name.endswith("norm.weight") else pool[start : start + m]
                     f.write(memoryview(src.view(torch.uint8).numpy()))
                     start = (start + m) % POOL
                 weight_map[name] = file
         tmp.rename(out / file)
         written += 8 + len(raw) + offset
-    (out / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
-                                                indent=2))
+    (out / WEIGHTS_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}, indent=2)
+    )
     config.save(out / CONFIG)
     return written
 
@@ -96,8 +97,10 @@ def main() -> None:
     t = time.monotonic()
     n = write(args.out, args.layers, args.shards, args.seed)
     dt = time.monotonic() - t
-    print(f"wrote {n / 1e9:.2f} GB ({args.layers} layers, {args.shards} shards) to {args.out} in {dt:.1f} s "
-          f"({n / dt / 1e6:.0f} MB/s)")
+    print(
+        f"wrote {n / 1e9:.2f} GB ({args.layers} layers, {args.shards} shards) to {args.out} in {dt:.1f} s "
+        f"({n / dt / 1e6:.0f} MB/s)"
+    )
 
 
 if __name__ == "__main__":

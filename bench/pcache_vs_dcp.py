@@ -62,8 +62,10 @@ def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
         shapes += [(p + f"attn.{n}.weight", (hidden, hidden)) for n in ("q", "k", "v", "o")]
         shapes += [(p + "post_norm.weight", (hidden,)), (p + "mlp.router.weight", (experts, hidden))]
         for e in range(experts):
-            shapes += [(p + f"mlp.experts.{e}.{n}.weight", (width, hidden) if n != "down" else (hidden, width))
-                       for n in ("gate", "up", "down")]
+            shapes += [
+                (p + f"mlp.experts.{e}.{n}.weight", (width, hidden) if n != "down" else (hidden, width))
+                for n in ("gate", "up", "down")
+            ]
         shapes += [(p + f"mlp.shared.{n}.weight", (hidden, hidden)) for n in ("gate", "up", "down")]
     return shapes + [("norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
@@ -100,10 +102,12 @@ def scenarios(bw: float) -> list[dict]:
     # "streams": each rank's writer is also one stream of bw/2 (a network filesystem's or object store's
     # per-stream limit) under a node link of 2 x bw, so how evenly the ranks of a node share the bytes
     # matters, not only how evenly the nodes do.
-    return [{"key": "2x2-equal", "ranks_per_node": 2, "bandwidth": [bw, bw]},
-            {"key": "2x2-unequal", "ranks_per_node": 2, "bandwidth": [bw, bw / 2]},
-            {"key": "2x2-streams", "ranks_per_node": 2, "bandwidth": [2 * bw, 2 * bw], "rank_bandwidth": bw / 2},
-            {"key": "4x1-equal", "ranks_per_node": 1, "bandwidth": [bw] * 4}]
+    return [
+        {"key": "2x2-equal", "ranks_per_node": 2, "bandwidth": [bw, bw]},
+        {"key": "2x2-unequal", "ranks_per_node": 2, "bandwidth": [bw, bw / 2]},
+        {"key": "2x2-streams", "ranks_per_node": 2, "bandwidth": [2 * bw, 2 * bw], "rank_bandwidth": bw / 2},
+        {"key": "4x1-equal", "ranks_per_node": 1, "bandwidth": [bw] * 4},
+    ]
 
 
 def make_planner(plan: str, sc: dict):
@@ -120,13 +124,15 @@ def save_worker(rank: int, world: int, root: str, bw: float, repeats: int, quick
     records = []
     for rep in range(repeats):
         # Rotate the order each repeat so slow moments of the shared machine do not always hit one plan.
-        for sc, plan in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+        for sc, plan in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
             directory = Path(root) / f"{sc['key']}-{plan}-{rep}"
             node = rank // sc["ranks_per_node"]
             throttle = NodeThrottle(Path(root) / "throttle" / f"{directory.name}-node{node}", sc["bandwidth"][node])
             if "rank_bandwidth" in sc:
-                throttle = Throttles(throttle, NodeThrottle(Path(root) / "throttle" / f"{directory.name}-rank{rank}",
-                                                            sc["rank_bandwidth"]))
+                throttle = Throttles(
+                    throttle,
+                    NodeThrottle(Path(root) / "throttle" / f"{directory.name}-rank{rank}", sc["rank_bandwidth"]),
+                )
             # No fsync: every emulated node shares this machine's one disk; the throttle is the node's disk.
             writer = PCacheWriter(directory, buffer_bytes=BUFFER, throttle=throttle, sync_files=False)
             planner = make_planner(plan, sc)
@@ -144,10 +150,19 @@ def save_worker(rank: int, world: int, root: str, bw: float, repeats: int, quick
                     node_bytes[int(f.name.split("_")[2]) // sc["ranks_per_node"]] += f.stat().st_size
                     rank_bytes[int(f.name.split("_")[2])] += f.stat().st_size
                 est = planner.summary.estimated_s if plan == "lingctl" else None
-                records.append({"scenario": sc["key"], "plan": plan, "rep": rep, "node_bytes": node_bytes,
-                                "rank_bytes": rank_bytes,
-                                "seconds": max(g[0] for g in gathered), "write_s": max(g[1] for g in gathered),
-                                "copied_bytes": sum(g[2] for g in gathered), "estimated_s": est})
+                records.append(
+                    {
+                        "scenario": sc["key"],
+                        "plan": plan,
+                        "rep": rep,
+                        "node_bytes": node_bytes,
+                        "rank_bytes": rank_bytes,
+                        "seconds": max(g[0] for g in gathered),
+                        "write_s": max(g[1] for g in gathered),
+                        "copied_bytes": sum(g[2] for g in gathered),
+                        "estimated_s": est,
+                    }
+                )
                 shutil.rmtree(directory)
             dist.barrier()
     return records
@@ -167,9 +182,11 @@ def memory_worker(rank: int, world: int, root: str, mode: str, quick: bool) -> f
         # the other ranks' unique tensors are deterministic, so rank 0 builds them instead of receiving them.
         gathered = state["optim"]["exp_avg"].full_tensor()
         if rank == 0:
-            full = {"model": state["model"], "optim": {"exp_avg": gathered,
-                                                       **{f"rank{r}": unique(r, quick) for r in range(world)}},
-                    "step": state["step"]}
+            full = {
+                "model": state["model"],
+                "optim": {"exp_avg": gathered, **{f"rank{r}": unique(r, quick) for r in range(world)}},
+                "step": state["step"],
+            }
     directory = Path(root) / mode
     gc.collect()
     dist.barrier()
@@ -183,8 +200,11 @@ def memory_worker(rank: int, world: int, root: str, mode: str, quick: bool) -> f
     elif mode == "dcp.save":
         dcp.save(state, storage_writer=FileSystemWriter(directory))
     elif mode == "lingctl":
-        dcp.save(state, storage_writer=PCacheWriter(directory, buffer_bytes=BUFFER),
-                 planner=PCacheSavePlanner(ranks_per_node=2, chunk_bytes=CHUNK))
+        dcp.save(
+            state,
+            storage_writer=PCacheWriter(directory, buffer_bytes=BUFFER),
+            planner=PCacheSavePlanner(ranks_per_node=2, chunk_bytes=CHUNK),
+        )
     elif full is not None:
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(full, directory / "full.pt")
@@ -217,14 +237,23 @@ def main() -> None:
         records = run_workers(save_worker, WORLD, root, bw, repeats, args.quick, timeout=600)[0]
         memory = {mode: run_workers(memory_worker, WORLD, root, mode, args.quick, timeout=300) for mode in MEM_MODES}
     best = best_runs(records)
-    state_mib = (sum(t.numel() for t in replicated(args.quick).values()) * 4 / MiB,
-                 [round((SHARDED[0] // (16 if args.quick else 1)) * SHARDED[1] * 4 / WORLD / MiB, 2)
-                  + unique_shape(r, args.quick)[0] * 256 * 4 / MiB for r in range(WORLD)])
-    print(f"lingctl pcache vs torch DCP: torch {torch.__version__}, Python {sys.version.split()[0]}, "
-          f"{len(os.sched_getaffinity(0))} cores, {WORLD} gloo processes, 1 thread each")
-    print(f"state per rank: {state_mib[0]:.1f} MiB replicated ({len(model_shapes(args.quick))} fp32 tensors) + "
-          f"rank-unique {', '.join(f'{m:.2f}' for m in state_mib[1])} MiB (ranks 0-3); "
-          f"lingctl chunk {CHUNK // MiB} MiB, buffer {BUFFER // MiB} MiB; best of {repeats}")
+    state_mib = (
+        sum(t.numel() for t in replicated(args.quick).values()) * 4 / MiB,
+        [
+            round((SHARDED[0] // (16 if args.quick else 1)) * SHARDED[1] * 4 / WORLD / MiB, 2)
+            + unique_shape(r, args.quick)[0] * 256 * 4 / MiB
+            for r in range(WORLD)
+        ],
+    )
+    print(
+        f"lingctl pcache vs torch DCP: torch {torch.__version__}, Python {sys.version.split()[0]}, "
+        f"{len(os.sched_getaffinity(0))} cores, {WORLD} gloo processes, 1 thread each"
+    )
+    print(
+        f"state per rank: {state_mib[0]:.1f} MiB replicated ({len(model_shapes(args.quick))} fp32 tensors) + "
+        f"rank-unique {', '.join(f'{m:.2f}' for m in state_mib[1])} MiB (ranks 0-3); "
+        f"lingctl chunk {CHUNK // MiB} MiB, buffer {BUFFER // MiB} MiB; best of {repeats}"
+    )
 
     # (measure, scenario, measured value, the same from the throttle alone, goal); value <= goal is met
     goals: list[tuple[str, str, float, float | None, float]] = []
@@ -234,8 +263,10 @@ def main() -> None:
         nodes, per = len(sc["bandwidth"]), sc["ranks_per_node"]
         streams = f", each rank one stream of {sc['rank_bandwidth'] / 1e6:g} MB/s" if "rank_bandwidth" in sc else ""
         print(f"\nsave, {nodes} nodes x {per} rank{'s' if per > 1 else ''}, node MB/s {speeds}{streams}")
-        print(f"  {'plan':<15} {'MB per node':<28} {'bytes max/mean':>14} {'finish max/mean':>15} "
-              f"{'seconds':>8} {'lingctl/this':>12}")
+        print(
+            f"  {'plan':<15} {'MB per node':<28} {'bytes max/mean':>14} {'finish max/mean':>15} "
+            f"{'seconds':>8} {'lingctl/this':>12}"
+        )
         ling = best[(key, "lingctl")]
         for plan in PLANS:
             r = best[(key, plan)]
@@ -245,28 +276,51 @@ def main() -> None:
             finish = [b / s for b, s in zip(nb, sc["bandwidth"])]
             if "rank_bandwidth" in sc:  # a node finishes with its slowest stream, or its link if that is slower
                 per_node = sc["ranks_per_node"]
-                finish = [max(f, max(r["rank_bytes"][n * per_node:(n + 1) * per_node]) / sc["rank_bandwidth"])
-                          for n, f in enumerate(finish)]
+                finish = [
+                    max(f, max(r["rank_bytes"][n * per_node : (n + 1) * per_node]) / sc["rank_bandwidth"])
+                    for n, f in enumerate(finish)
+                ]
             r["bytes_max_over_mean"] = max(nb) / (sum(nb) / len(nb))
             r["finish_max_over_mean"] = max(finish) / (sum(finish) / len(finish))
             r["bound_s"] = max(finish)
-            print(f"  {PLAN_NAMES[plan]:<15} {' / '.join(f'{b / 1e6:.1f}' for b in nb):<28} "
-                  f"{r['bytes_max_over_mean']:>14.3f} {r['finish_max_over_mean']:>15.3f} {r['seconds']:>8.3f} "
-                  f"{ling['seconds'] / r['seconds']:>12.3f}   (throttle alone: {max(finish):.3f} s)")
-        print(f"  lingctl planner's own estimate {ling['estimated_s']:.3f} s; bytes copied through its buffer "
-              f"{ling['copied_bytes'] / MiB:.1f} MiB (all ranks)")
+            print(
+                f"  {PLAN_NAMES[plan]:<15} {' / '.join(f'{b / 1e6:.1f}' for b in nb):<28} "
+                f"{r['bytes_max_over_mean']:>14.3f} {r['finish_max_over_mean']:>15.3f} {r['seconds']:>8.3f} "
+                f"{ling['seconds'] / r['seconds']:>12.3f}   (throttle alone: {max(finish):.3f} s)"
+            )
+        print(
+            f"  lingctl planner's own estimate {ling['estimated_s']:.3f} s; bytes copied through its buffer "
+            f"{ling['copied_bytes'] / MiB:.1f} MiB (all ranks)"
+        )
         goals.append(("busiest node / mean (finish time)", key, ling["finish_max_over_mean"], None, 1.02))
         dcp_goal = {"2x2-equal": 0.9, "2x2-unequal": 0.7, "2x2-streams": 0.9}.get(key)
         if dcp_goal:
-            goals.append(("save time lingctl / DCP default", key, ling["seconds"] / best[(key, "dcp")]["seconds"],
-                          ling["bound_s"] / best[(key, "dcp")]["bound_s"], dcp_goal))
-        goals.append(("save time lingctl / rank-0 writers", key, ling["seconds"] / best[(key, "rank0")]["seconds"],
-                      ling["bound_s"] / best[(key, "rank0")]["bound_s"], 0.5))
+            goals.append(
+                (
+                    "save time lingctl / DCP default",
+                    key,
+                    ling["seconds"] / best[(key, "dcp")]["seconds"],
+                    ling["bound_s"] / best[(key, "dcp")]["bound_s"],
+                    dcp_goal,
+                )
+            )
+        goals.append(
+            (
+                "save time lingctl / rank-0 writers",
+                key,
+                ling["seconds"] / best[(key, "rank0")]["seconds"],
+                ling["bound_s"] / best[(key, "rank0")]["bound_s"],
+                0.5,
+            )
+        )
 
     print("\npeak extra memory per rank during the save (VmHWM - RSS before), MiB, no throttle")
     for mode in MEM_MODES:
-        print(f"  {mode:<12} " + "  ".join(f"rank {r}: {m:6.1f}" for r, m in enumerate(memory[mode]))
-              + f"   max {max(memory[mode]):6.1f}")
+        print(
+            f"  {mode:<12} "
+            + "  ".join(f"rank {r}: {m:6.1f}" for r, m in enumerate(memory[mode]))
+            + f"   max {max(memory[mode]):6.1f}"
+        )
     mem_ratio = max(memory["lingctl"]) / max(memory["async_save"])
     print(f"  lingctl / async_save (max over ranks) = {mem_ratio:.3f} ({100 * (1 - mem_ratio):.0f}% below)")
     goals.append(("peak extra memory lingctl / async_save", "no throttle", mem_ratio, None, 0.4))
@@ -275,18 +329,33 @@ def main() -> None:
     print(f"  {'measure':<40} {'scenario':<12} {'value':>7} {'throttle alone':>14} {'goal':>8}  result")
     for measure, key, value, bound, goal in goals:
         alone = "" if bound is None else f"{bound:.3f}"
-        print(f"  {measure:<40} {key:<12} {value:>7.3f} {alone:>14} {'<= ' + format(goal, 'g'):>8}  "
-              f"{'met' if value <= goal else 'MISSED'}")
+        print(
+            f"  {measure:<40} {key:<12} {value:>7.3f} {alone:>14} {'<= ' + format(goal, 'g'):>8}  "
+            f"{'met' if value <= goal else 'MISSED'}"
+        )
     print(f"  (wall time of the whole run: {time.monotonic() - t0:.0f} s)")
 
     if args.json:
-        report = {"torch": torch.__version__, "python": sys.version.split()[0], "cores": len(os.sched_getaffinity(0)),
-                  "world": WORLD, "bandwidth_mb_s": args.bandwidth, "repeats": repeats, "quick": args.quick,
-                  "chunk_bytes": CHUNK, "buffer_bytes": BUFFER, "replicated_mib": state_mib[0],
-                  "unique_mib": state_mib[1], "save_best": [best[k] for k in sorted(best)], "save_all": records,
-                  "memory_mib": memory,
-                  "goals": [{"measure": m, "scenario": k, "value": v, "throttle_alone": b, "goal": g, "met": v <= g}
-                            for m, k, v, b, g in goals]}
+        report = {
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "cores": len(os.sched_getaffinity(0)),
+            "world": WORLD,
+            "bandwidth_mb_s": args.bandwidth,
+            "repeats": repeats,
+            "quick": args.quick,
+            "chunk_bytes": CHUNK,
+            "buffer_bytes": BUFFER,
+            "replicated_mib": state_mib[0],
+            "unique_mib": state_mib[1],
+            "save_best": [best[k] for k in sorted(best)],
+            "save_all": records,
+            "memory_mib": memory,
+            "goals": [
+                {"measure": m, "scenario": k, "value": v, "throttle_alone": b, "goal": g, "met": v <= g}
+                for m, k, v, b, g in goals
+            ],
+        }
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 

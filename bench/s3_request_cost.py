@@ -63,8 +63,9 @@ def _boto3_client(endpoint: str) -> tuple[Any, Any]:
 
 
 def _signed_client(endpoint: str, threads: int, sign_payload: bool | None) -> tuple[Any, Any]:
-    client = SignedS3Client(S3Options(endpoint_url=endpoint), BUCKET, max_connections=threads,
-                            sign_payload=sign_payload)
+    client = SignedS3Client(
+        S3Options(endpoint_url=endpoint), BUCKET, max_connections=threads, sign_payload=sign_payload
+    )
 
     def put(key: str, body: bytes, meta: dict[str, str], crc: str) -> None:
         client.put(key, body, metadata=meta, checksum_crc64nvme_b64=crc)
@@ -100,10 +101,15 @@ def _versions() -> str:
     import urllib3
 
     rclone = find_rclone()
-    server = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.split("\n")[0] if rclone \
+    server = (
+        subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.split("\n")[0]
+        if rclone
         else "rclone ?"
-    return (f"Python {sys.version.split()[0]}, boto3 {boto3.__version__}, botocore {botocore.__version__}, "
-            f"urllib3 {urllib3.__version__}, {server}")
+    )
+    return (
+        f"Python {sys.version.split()[0]}, boto3 {boto3.__version__}, botocore {botocore.__version__}, "
+        f"urllib3 {urllib3.__version__}, {server}"
+    )
 
 
 def main() -> None:
@@ -115,19 +121,20 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     block = os.urandom(SIZE + a.objects)
-    bodies = [block[i:i + SIZE] for i in range(a.objects)]  # all different, cheap to make
+    bodies = [block[i : i + SIZE] for i in range(a.objects)]  # all different, cheap to make
     crcs = [crc64_bytes(b).b64() for b in bodies]
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
-    with tempfile.TemporaryDirectory(prefix="s3-cost-") as tmp, \
-            serve_s3(Path(tmp) / "root", [BUCKET]) as server:
+    with tempfile.TemporaryDirectory(prefix="s3-cost-") as tmp, serve_s3(Path(tmp) / "root", [BUCKET]) as server:
         os.environ.update(server.env())
-        clients = {"boto3": _boto3_client(server.endpoint),
-                   "signed-http": _signed_client(server.endpoint, a.threads, None),
-                   "sha256-payload": _signed_client(server.endpoint, a.threads, True)}
+        clients = {
+            "boto3": _boto3_client(server.endpoint),
+            "signed-http": _signed_client(server.endpoint, a.threads, None),
+            "sha256-payload": _signed_client(server.endpoint, a.threads, True),
+        }
         names = list(clients)
         with ThreadPoolExecutor(a.threads) as pool:
             for r in range(a.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     put, get = clients[name]
                     keys = [f"{name}/{r}/obj-{i:05d}" for i in range(a.objects)]
                     # Untimed: opens connections, and creates the directory, which rclone serve s3 can fail
@@ -135,8 +142,14 @@ def main() -> None:
                     put(f"{name}/{r}/warm", bodies[0], {}, crcs[0])
                     meta = {"mtime": "1700000000.25", "lingctl-crc64nvme": crcs[0]}
                     row = results.setdefault(name, {"put": [], "get": []})
-                    row["put"].append(_timed(pool, put, [(k, b, {**meta, "lingctl-crc64nvme": c}, c)
-                                                         for k, b, c in zip(keys, bodies, crcs)], server.pid))
+                    row["put"].append(
+                        _timed(
+                            pool,
+                            put,
+                            [(k, b, {**meta, "lingctl-crc64nvme": c}, c) for k, b, c in zip(keys, bodies, crcs)],
+                            server.pid,
+                        )
+                    )
                     row["get"].append(_timed(pool, get, [(k,) for k in keys], server.pid))
         if a.rclone:
             rclone = find_rclone()
@@ -145,34 +158,58 @@ def main() -> None:
             src.mkdir()
             for i, body in enumerate(bodies):
                 (src / f"obj-{i:05d}").write_bytes(body)
-            env = {**{k: v for k, v in os.environ.items() if not k.startswith("RCLONE_")},
-                   "RCLONE_CONFIG_B_TYPE": "s3", "RCLONE_CONFIG_B_PROVIDER": "Other",
-                   "RCLONE_CONFIG_B_ENDPOINT": server.endpoint, "RCLONE_CONFIG_B_REGION": server.region,
-                   "RCLONE_CONFIG_B_ACCESS_KEY_ID": server.access_key,
-                   "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": server.secret_key,
-                   "RCLONE_CONFIG_B_FORCE_PATH_STYLE": "true", "RCLONE_CONFIG_B_NO_CHECK_BUCKET": "true"}
+            env = {
+                **{k: v for k, v in os.environ.items() if not k.startswith("RCLONE_")},
+                "RCLONE_CONFIG_B_TYPE": "s3",
+                "RCLONE_CONFIG_B_PROVIDER": "Other",
+                "RCLONE_CONFIG_B_ENDPOINT": server.endpoint,
+                "RCLONE_CONFIG_B_REGION": server.region,
+                "RCLONE_CONFIG_B_ACCESS_KEY_ID": server.access_key,
+                "RCLONE_CONFIG_B_SECRET_ACCESS_KEY": server.secret_key,
+                "RCLONE_CONFIG_B_FORCE_PATH_STYLE": "true",
+                "RCLONE_CONFIG_B_NO_CHECK_BUCKET": "true",
+            }
             flags = ["--transfers", str(a.threads), "--checkers", str(a.threads)]
             row = results.setdefault("rclone copy", {"put": [], "get": []})
             for r in range(a.rounds):
                 row["put"].append(_rclone([rclone, "copy", *flags, str(src), f"b:{BUCKET}/rclone/{r}"], env))
-                row["get"].append(_rclone([rclone, "copy", *flags, f"b:{BUCKET}/rclone/{r}",
-                                           str(Path(tmp) / f"down-{r}")], env))
-    summary = {name: {op: {k: statistics.median(run[k] for run in runs) * 1e6 / a.objects for k in runs[0]}
-                      for op, runs in ops.items()} for name, ops in results.items()}
+                row["get"].append(
+                    _rclone([rclone, "copy", *flags, f"b:{BUCKET}/rclone/{r}", str(Path(tmp) / f"down-{r}")], env)
+                )
+    summary = {
+        name: {
+            op: {k: statistics.median(run[k] for run in runs) * 1e6 / a.objects for k in runs[0]}
+            for op, runs in ops.items()
+        }
+        for name, ops in results.items()
+    }
     if a.json:
-        print(json.dumps({"objects": a.objects, "size": SIZE, "threads": a.threads, "versions": _versions(),
-                          "us_per_request": summary}))
+        print(
+            json.dumps(
+                {
+                    "objects": a.objects,
+                    "size": SIZE,
+                    "threads": a.threads,
+                    "versions": _versions(),
+                    "us_per_request": summary,
+                }
+            )
+        )
         return
-    print(f"{a.objects} x {SIZE >> 10} KiB, {a.threads} threads, median of {a.rounds}; microseconds per request; "
-          f"{_versions()}")
+    print(
+        f"{a.objects} x {SIZE >> 10} KiB, {a.threads} threads, median of {a.rounds}; microseconds per request; "
+        f"{_versions()}"
+    )
     base = summary["boto3"]
     for op in ("put", "get"):
         for name, ops in summary.items():
             s = ops[op]
             ratio = f"cpu {s['cpu'] / base[op]['cpu']:.2f}x  wall {s['wall'] / base[op]['wall']:.2f}x of boto3"
             server_cpu = f"  server cpu {s['server_cpu']:7.0f}" if "server_cpu" in s else ""
-            print(f"{op:3} {name:17} wall {s['wall']:7.0f}  cpu {s['cpu']:7.0f} (sys {s['sys']:4.0f}){server_cpu}   "
-                  f"{ratio}")
+            print(
+                f"{op:3} {name:17} wall {s['wall']:7.0f}  cpu {s['cpu']:7.0f} (sys {s['sys']:4.0f}){server_cpu}   "
+                f"{ratio}"
+            )
     sys.stdout.flush()
 
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-LOOP = r'''
+LOOP = r"""
 import json, os, sys, time, statistics
 import torch, torch.distributed as dist
 from pathlib import Path
@@ -90,9 +90,9 @@ else:
     records = 0
 print(json.dumps({"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
                   "trace_bytes": trace_bytes, "steps": warm + steps, "records": records}))
-'''
+"""
 
-CALLS = r'''
+CALLS = r"""
 import json, os, sys, time
 import torch, torch.distributed as dist
 from pathlib import Path
@@ -127,15 +127,16 @@ lingctl.timer.uninstall()
 dist.destroy_process_group()
 print(json.dumps({k: {"untraced_us": before[k] * 1e6, "traced_us": after[k] * 1e6,
                       "overhead_us": (after[k] - before[k]) * 1e6} for k in fns}))
-'''
+"""
 
 
 def _run(code: str, *args: str) -> dict:
     """Run ``code`` in a fresh interpreter with ``args`` and a free port last; its last stdout line is JSON."""
     from lingctl.core.net import free_port
 
-    res = subprocess.run([sys.executable, "-c", code, *args, str(free_port())], capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-c", code, *args, str(free_port())], capture_output=True, text=True, timeout=900
+    )
     if res.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -156,7 +157,7 @@ def main() -> None:
         for r in range(args.rounds):
             # Fresh processes differ by several percent in step time (placement, frequency); rotating the
             # order and keeping each mode's best round keeps that out of the comparison.
-            for mode in modes[r % 3:] + modes[:r % 3]:
+            for mode in modes[r % 3 :] + modes[: r % 3]:
                 out = Path(tmp) / f"{mode}-{r}"
                 out.mkdir()
                 res = _run(LOOP, mode, str(args.steps), str(args.warmup), str(out))
@@ -168,13 +169,17 @@ def main() -> None:
         calls = _run(CALLS, str(calls_out), "20000")
     base = results["none"]["median_s"]
     report = {
-        "torch": torch.__version__, "python": sys.version.split()[0], "cores": len(os.sched_getaffinity(0)),
-        "steps": args.steps, "warmup": args.warmup,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cores": len(os.sched_getaffinity(0)),
+        "steps": args.steps,
+        "warmup": args.warmup,
         "step_ms": {m: round(r["median_s"] * 1e3, 3) for m, r in results.items()},
         "overhead_pct": {m: round(100 * (r["median_s"] / base - 1), 2) for m, r in results.items() if m != "none"},
-        "log_bytes_per_step": {"lingctl": round(results["lingctl"]["trace_bytes"] / results["lingctl"]["steps"], 1),
-                               "torch.profiler": round(results["torch.profiler"]["trace_bytes"]
-                                                       / results["torch.profiler"]["steps"], 1)},
+        "log_bytes_per_step": {
+            "lingctl": round(results["lingctl"]["trace_bytes"] / results["lingctl"]["steps"], 1),
+            "torch.profiler": round(results["torch.profiler"]["trace_bytes"] / results["torch.profiler"]["steps"], 1),
+        },
         "per_call": calls,
         "records_per_step": round(results["lingctl"]["records"] / results["lingctl"]["steps"], 2),
     }
@@ -185,8 +190,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"tiny Ling MoE training step, 1 thread, torch {report['torch']}, {args.steps} steps after "
-          f"{args.warmup} warm-up, best of {args.rounds} rounds")
+    print(
+        f"tiny Ling MoE training step, 1 thread, torch {report['torch']}, {args.steps} steps after "
+        f"{args.warmup} warm-up, best of {args.rounds} rounds"
+    )
     for mode in ("none", "lingctl", "torch.profiler"):
         pct = report["overhead_pct"].get(mode)
         extra = "" if pct is None else f"  overhead {pct:+.2f}%"
@@ -194,19 +201,27 @@ def main() -> None:
         logs = "" if log is None else f"  log {log:,.0f} B/step"
         print(f"  {mode:<15} step {report['step_ms'][mode]:8.3f} ms{extra}{logs}")
     for name, c in calls.items():
-        print(f"  per call, {name:<11} untraced {c['untraced_us']:.2f} us, traced {c['traced_us']:.2f} us, "
-              f"overhead {c['overhead_us']:.2f} us")
-    print(f"  {report['records_per_step']} traced calls per step x at most "
-          f"{max(c['overhead_us'] for c in calls.values()):.1f} us each = {report['implied_overhead_pct']:.3f}% of a step "
-          f"(the measured step-time difference above is within run-to-run noise)")
-    goals = [("step overhead <= 0.5% (implied by per-call cost)", report["implied_overhead_pct"] <= 0.5),
-             ("<= 1 us per traced call", max(c["overhead_us"] for c in calls.values()) <= 1.0),
-             ("<= 1 KB compressed log per step per rank", report["log_bytes_per_step"]["lingctl"] <= 1024)]
+        print(
+            f"  per call, {name:<11} untraced {c['untraced_us']:.2f} us, traced {c['traced_us']:.2f} us, "
+            f"overhead {c['overhead_us']:.2f} us"
+        )
+    print(
+        f"  {report['records_per_step']} traced calls per step x at most "
+        f"{max(c['overhead_us'] for c in calls.values()):.1f} us each = {report['implied_overhead_pct']:.3f}% of a step "
+        f"(the measured step-time difference above is within run-to-run noise)"
+    )
+    goals = [
+        ("step overhead <= 0.5% (implied by per-call cost)", report["implied_overhead_pct"] <= 0.5),
+        ("<= 1 us per traced call", max(c["overhead_us"] for c in calls.values()) <= 1.0),
+        ("<= 1 KB compressed log per step per rank", report["log_bytes_per_step"]["lingctl"] <= 1024),
+    ]
     for text, met in goals:
         print(f"  goal {text}: {'met' if met else 'NOT met'}")
     ratio = report["overhead_pct"]["torch.profiler"]
-    print(f"  torch.profiler costs {ratio:+.1f}% per step and writes "
-          f"{report['log_bytes_per_step']['torch.profiler']:,.0f} B/step (uncompressed Chrome trace)")
+    print(
+        f"  torch.profiler costs {ratio:+.1f}% per step and writes "
+        f"{report['log_bytes_per_step']['torch.profiler']:,.0f} B/step (uncompressed Chrome trace)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,15 @@ VARIANTS = ("naive", "sorted", "grouped")
 
 def layer_config(hidden: int, width: int) -> LingConfig:
     # Ling-lite's routing (64 experts, top-6, 2 shared) at a width that fits this machine.
-    return dataclasses.replace(preset("ling-lite"), hidden_size=hidden, moe_intermediate_size=width,
-                               num_hidden_layers=1, vocab_size=1024, pad_token_id=0, eos_token_id=0)
+    return dataclasses.replace(
+        preset("ling-lite"),
+        hidden_size=hidden,
+        moe_intermediate_size=width,
+        num_hidden_layers=1,
+        vocab_size=1024,
+        pad_token_id=0,
+        eos_token_id=0,
+    )
 
 
 def time_layer(block: SparseMoeBlock, x: torch.Tensor, dispatch: str, dtype: torch.dtype, iters: int) -> float:
@@ -72,16 +79,26 @@ def bf16_is_native() -> bool:
 
 def bench(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    results: dict = {"torch": torch.__version__, "python": platform.python_version(),
-                     "threads": torch.get_num_threads(), "tokens": args.tokens, "rounds": args.rounds}
+    results: dict = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+    }
     cfg = layer_config(args.hidden, args.width)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
     x = torch.randn(1, args.tokens, cfg.hidden_size, requires_grad=True)
-    results["layer"] = {"experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
-                        "shared": cfg.num_shared_experts, "hidden": cfg.hidden_size, "width": cfg.moe_intermediate_size}
+    results["layer"] = {
+        "experts": cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "shared": cfg.num_shared_experts,
+        "hidden": cfg.hidden_size,
+        "width": cfg.moe_intermediate_size,
+    }
     dtypes = [torch.float32]
     if bf16_is_native():
         dtypes.append(torch.bfloat16)
@@ -108,15 +125,26 @@ def bench(args: argparse.Namespace) -> dict:
         for v in VARIANTS:
             times[v].append(time_model(model, ids, v, 1))
     results["model_float32"] = _summarise(times, ids[:, :-1].numel())
-    results["model"] = {"preset": "small", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 64,
-                        "parameters": small.num_parameters()}
+    results["model"] = {
+        "preset": "small",
+        "num_experts": 64,
+        "top_k": 6,
+        "moe_intermediate_size": 64,
+        "parameters": small.num_parameters(),
+    }
     return results
 
 
 def _summarise(times: dict[str, list[float]], tokens: int) -> dict:
     med = {v: statistics.median(t) for v, t in times.items()}
-    return {v: {"tokens_per_s": round(tokens / med[v], 1), "ms": round(med[v] * 1e3, 2),
-                "vs_naive": round(med["naive"] / med[v], 2)} for v in times}
+    return {
+        v: {
+            "tokens_per_s": round(tokens / med[v], 1),
+            "ms": round(med[v] * 1e3, 2),
+            "vs_naive": round(med["naive"] / med[v], 2),
+        }
+        for v in times
+    }
 
 
 def main() -> None:
@@ -132,11 +160,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"torch {results['torch']}, {results['threads']} threads, {args.tokens} tokens per step, "
-          f"median of {args.rounds} interleaved rounds")
-    for key, title in (("layer_float32", "MoE layer fwd+bwd, float32"),
-                       ("layer_bfloat16", "MoE layer fwd+bwd, bf16 autocast"),
-                       ("model_float32", "full training step, small preset at 64 experts top-6, float32")):
+    print(
+        f"torch {results['torch']}, {results['threads']} threads, {args.tokens} tokens per step, "
+        f"median of {args.rounds} interleaved rounds"
+    )
+    for key, title in (
+        ("layer_float32", "MoE layer fwd+bwd, float32"),
+        ("layer_bfloat16", "MoE layer fwd+bwd, bf16 autocast"),
+        ("model_float32", "full training step, small preset at 64 experts top-6, float32"),
+    ):
         print(f"\n{title}")
         if results[key] is None:
             print("  skipped: this CPU has no native bf16 matmul (no AMX / AVX512-BF16)")

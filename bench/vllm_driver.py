@@ -45,12 +45,20 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, trust_remote_code=True, dtype="float32",
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=True,
-              # Every repetition sends the same prompts: a prefix cache would answer the later ones from
-              # the first one's KV, which flood's engine (built afresh per run) cannot.
-              enable_prefix_caching=False, seed=args.seed)
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        trust_remote_code=True,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=True,
+        # Every repetition sends the same prompts: a prefix cache would answer the later ones from
+        # the first one's KV, which flood's engine (built afresh per run) cannot.
+        enable_prefix_caching=False,
+        seed=args.seed,
+    )
     load_seconds = time.perf_counter() - started
 
     def generate(prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -67,27 +75,35 @@ def main() -> None:
 
     config = llm.llm_engine.vllm_config
     sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
-    ready = {"ready": True, "load_seconds": round(load_seconds, 2), "warmup_seconds": round(warmup_seconds, 2),
-             "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                          "transformers": transformers.__version__},
-             "settings": {"max_num_seqs": sched.max_num_seqs,
-                          "max_num_batched_tokens": sched.max_num_batched_tokens,
-                          "enable_chunked_prefill": sched.enable_chunked_prefill,
-                          "max_model_len": config.model_config.max_model_len,
-                          "enable_prefix_caching": cache.enable_prefix_caching, "block_size": cache.block_size,
-                          "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
-                          "compilation_mode": str(comp.mode), "compilation_backend": comp.backend,
-                          "executor": config.parallel_config.distributed_executor_backend,
-                          "dtype": str(config.model_config.dtype)},
-             "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "KMP_", "LD_PRELOAD"))}}
+    ready = {
+        "ready": True,
+        "load_seconds": round(load_seconds, 2),
+        "warmup_seconds": round(warmup_seconds, 2),
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "max_model_len": config.model_config.max_model_len,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "block_size": cache.block_size,
+            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+            "compilation_mode": str(comp.mode),
+            "compilation_backend": comp.backend,
+            "executor": config.parallel_config.distributed_executor_backend,
+            "dtype": str(config.model_config.dtype),
+        },
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "KMP_", "LD_PRELOAD"))},
+    }
     answers.write(json.dumps(ready) + "\n")
 
     for line in sys.stdin:
         cmd = json.loads(line).get("cmd")
         if cmd == "run":
             seconds, outputs = generate(work["prompts"], work["new_tokens"])
-            answers.write(json.dumps({"seconds": seconds, "generated_tokens": sum(map(len, outputs)),
-                                      "outputs": outputs}) + "\n")
+            answers.write(
+                json.dumps({"seconds": seconds, "generated_tokens": sum(map(len, outputs)), "outputs": outputs}) + "\n"
+            )
         elif cmd == "quit":
             break
         else:

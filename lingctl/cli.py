@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from lingctl.commands.babel import app as babel_app
+from lingctl.commands.doctor import doctor
 from lingctl.commands.flood import app as flood_app
 from lingctl.commands.pcache import app as pcache_app
 from lingctl.commands.timer import app as timer_app
-from lingctl.commands.doctor import doctor
-from lingctl.commands.train import train
+from lingctl.commands.train import app as train_app
 from lingctl.commands.version import version
 from lingctl.core.errors import EXIT_ERROR, EXIT_USAGE, LingctlError
 from lingctl.core.logs import level_from, setup_logging
@@ -24,7 +24,9 @@ app = typer.Typer(
     name="lingctl",
     help="Train, move, watch, checkpoint and serve Ling-style Mixture-of-Experts models.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
+    # Plain help: Rich markup would eat anything in square brackets ("[train] table", "ORG/NAME[@REV]").
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -38,23 +40,77 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+_VERBOSE_HELP = "More logging (-vv for debug)."
+_QUIET_HELP = "Only errors on stderr."
+
+
 @app.callback()
 def root(
-    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, help="More logging (-vv for debug).")] = 0,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Only errors on stderr.")] = False,
-    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                               help="Print the version and exit.")] = False,
+    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, show_default=False, help=_VERBOSE_HELP)] = 0,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help=_QUIET_HELP)] = False,
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     setup_logging(level_from(verbose, quiet))
 
 
-app.command("train")(train)
+app.add_typer(train_app, name="train")
 app.add_typer(babel_app, name="babel")
 app.add_typer(flood_app, name="flood")
 app.add_typer(timer_app, name="timer")
 app.add_typer(pcache_app, name="pcache")
 app.command("doctor")(doctor)
 app.command("version")(version)
+
+
+def _global_flag(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """-v/-q given after a subcommand: add to what the root got and set the log level again. The root's own
+    callback has already run (a group is invoked before its subcommand's arguments are parsed)."""
+    if value:
+        root_ctx = ctx.find_root()
+        seen = root_ctx.meta.setdefault("lingctl.log_flags", {"verbose": 0, "quiet": False})
+        if param.name == "verbose":
+            seen["verbose"] += value
+        else:
+            seen["quiet"] = True
+        verbose = (root_ctx.params.get("verbose") or 0) + seen["verbose"]
+        quiet = bool(root_ctx.params.get("quiet")) or seen["quiet"]
+        setup_logging(level_from(verbose, quiet))
+    return value
+
+
+def _global_flag_params() -> list[Any]:
+    """The -v/-q options as parameters every subcommand can carry, built through Typer like any option."""
+    holder = typer.Typer(add_completion=False)
+
+    @holder.command()
+    def flags(
+        verbose: Annotated[
+            int,
+            typer.Option("-v", "--verbose", count=True, show_default=False, help=_VERBOSE_HELP, callback=_global_flag),
+        ] = 0,
+        quiet: Annotated[bool, typer.Option("-q", "--quiet", help=_QUIET_HELP, callback=_global_flag)] = False,
+    ) -> None:
+        pass
+
+    params = list(typer.main.get_command(holder).params)
+    for p in params:
+        p.expose_value = False  # the command functions never see them; the callback sets the log level
+    return params
+
+
+def _with_global_flags(command: Any, flags: list[Any] | None = None) -> Any:
+    """Accept the root's -v/-q on every subcommand too (``lingctl babel ls DIR -v``), so they can go anywhere
+    before ``--``. They are real options of each command, so the parser never takes another option's value
+    for one, and each command's --help lists them."""
+    flags = flags if flags is not None else _global_flag_params()
+    for sub in getattr(command, "commands", {}).values():
+        _with_global_flags(sub, flags)
+        taken = {opt for p in sub.params for opt in [*p.opts, *p.secondary_opts]}
+        if not taken & {"-v", "--verbose", "-q", "--quiet"}:  # a command's own option of that name would win
+            sub.params.extend(flags)
+    return command
 
 
 def _fail(message: str, hint: str | None, code: int) -> int:
@@ -69,7 +125,7 @@ def _fail(message: str, hint: str | None, code: int) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` and return the exit code (``main`` exits with it)."""
     debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
-    command = typer.main.get_command(app)
+    command = _with_global_flags(typer.main.get_command(app))
     try:
         result = command.main(args=argv, prog_name="lingctl", standalone_mode=False)
         return result if isinstance(result, int) else 0
@@ -97,8 +153,11 @@ def run(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug: one line for users, the traceback with LINGCTL_DEBUG=1
         if debug:
             traceback.print_exc()
-        return _fail(f"internal error: {type(err).__name__}: {err}",
-                     "re-run with LINGCTL_DEBUG=1 for the traceback, and report it", EXIT_ERROR)
+        return _fail(
+            f"internal error: {type(err).__name__}: {err}",
+            "re-run with LINGCTL_DEBUG=1 for the traceback, and report it",
+            EXIT_ERROR,
+        )
 
 
 def main() -> None:

@@ -44,12 +44,28 @@ def main() -> None:
 
     run = Path("runs/demo-small")
     shutil.rmtree(run, ignore_errors=True)  # the demo's own run directory; nothing else is touched
-    lingctl("train", "--preset", "small", "--steps", "160", "--max-seconds", "150", "--eval-every", "40",
-            "--save-every", "80", "--out", str(run))
+    lingctl(
+        "train",
+        "--preset",
+        "small",
+        "--steps",
+        "160",
+        "--max-seconds",
+        "150",
+        "--eval-every",
+        "40",
+        "--save-every",
+        "80",
+        "--out",
+        str(run),
+    )
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in steps if r["event"] == "step"]
-    print("\nloss by step:", ", ".join(f"{s}: {l:.2f}" for s, l in losses[:: max(1, len(losses) // 8)]),
-          f"... {losses[-1][0]}: {losses[-1][1]:.2f}")
+    print(
+        "\nloss by step:",
+        ", ".join(f"{s}: {loss:.2f}" for s, loss in losses[:: max(1, len(losses) // 8)]),
+        f"... {losses[-1][0]}: {losses[-1][1]:.2f}",
+    )
     latest = json.loads((run / "latest.json").read_text())
     checkpoint = run / latest["path"]
     print(f"checkpoint (a Ling / Hugging Face bailing_moe directory): {checkpoint}")
@@ -60,8 +76,9 @@ def main() -> None:
             env = {**os.environ, **server.env()}
             lingctl("doctor", "--probe", "s3://demo/roundtrip", "--probe-size", "64MiB", env=env)
             target = f"s3://demo/checkpoints/{checkpoint.name}"
-            lingctl("babel", "sync", str(checkpoint), target, "--verify", "full", "--commit-last", "config.json",
-                    env=env)
+            lingctl(
+                "babel", "sync", str(checkpoint), target, "--verify", "full", "--commit-last", "config.json", env=env
+            )
             lingctl("babel", "ls", target, "--recursive", env=env)
             lingctl("babel", "verify", str(checkpoint), target, "--mode", "sampled", env=env)
             pcache(checkpoint, run, env)
@@ -74,8 +91,24 @@ def main() -> None:
 def pcache(checkpoint: Path, run: Path, env: dict[str, str]) -> None:
     """Checkpoint planning for a big job, then the flash tier on the run just trained."""
     bandwidth = ",".join(["2"] * 15 + ["1"])
-    lingctl("pcache", "plan", "--model", "ling-plus", "--nodes", "16", "--ranks-per-node", "8", "--tp", "8",
-            "--pp", "2", "--ep", "4", "--node-bandwidth", bandwidth)
+    lingctl(
+        "pcache",
+        "plan",
+        "--model",
+        "ling-plus",
+        "--nodes",
+        "16",
+        "--ranks-per-node",
+        "8",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--ep",
+        "4",
+        "--node-bandwidth",
+        bandwidth,
+    )
     lingctl("pcache", "status", str(run))
     state = checkpoint / "state"
     lingctl("pcache", "upload", str(state), "--to", f"s3://demo/runs/{run.name}/{checkpoint.name}/state", env=env)
@@ -86,8 +119,27 @@ def timer() -> None:
     """A traced training run: every Python process of the command writes its trace under runs/demo-timer."""
     out = Path("runs/demo-timer")
     shutil.rmtree(out, ignore_errors=True)
-    lingctl("timer", "run", "--out", str(out), "--", sys.executable, "-m", "lingctl", "train", "--preset", "tiny",
-            "--steps", "60", "--eval-every", "0", "--save-every", "0", "--out", str(out / "run"))
+    lingctl(
+        "timer",
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        "-m",
+        "lingctl",
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "60",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "0",
+        "--out",
+        str(out / "run"),
+    )
     lingctl("timer", "diagnose", str(out))
     lingctl("timer", "export", str(out), "-o", str(out / "trace.json"))
     print(f"open {out / 'trace.json'} in https://ui.perfetto.dev or chrome://tracing to see the timeline")
@@ -96,26 +148,59 @@ def timer() -> None:
 def flood(checkpoint: Path, run: Path) -> None:
     """Batch inference with the checkpoint just trained: code-completion prompts that share a prefix."""
     prefix = '"""Helpers for parsing and formatting text, written in the style of the standard library."""\n\n'
-    starts = ["import os", "def main(", "class Parser", "    def __init__(self", "for line in", "if __name__",
-              "return ", "raise ValueError(", "with open(", "    except ", "from collections import", "while "]
+    starts = [
+        "import os",
+        "def main(",
+        "class Parser",
+        "    def __init__(self",
+        "for line in",
+        "if __name__",
+        "return ",
+        "raise ValueError(",
+        "with open(",
+        "    except ",
+        "from collections import",
+        "while ",
+    ]
     batch = run / "flood-batch.jsonl"
     with open(batch, "w") as f:
         for i in range(48):
-            body = {"model": "demo-small", "prompt": prefix + starts[i % len(starts)], "max_tokens": 8 + (i * 7) % 57,
-                    "temperature": 0 if i % 2 == 0 else 0.7, "seed": i}
-            f.write(json.dumps({"custom_id": f"req-{i:02d}", "method": "POST", "url": "/v1/completions",
-                                "body": body}) + "\n")
+            body = {
+                "model": "demo-small",
+                "prompt": prefix + starts[i % len(starts)],
+                "max_tokens": 8 + (i * 7) % 57,
+                "temperature": 0 if i % 2 == 0 else 0.7,
+                "seed": i,
+            }
+            f.write(
+                json.dumps({"custom_id": f"req-{i:02d}", "method": "POST", "url": "/v1/completions", "body": body})
+                + "\n"
+            )
         # Chat requests go through the checkpoint's own chat template (Ling's <role>HUMAN</role> format).
         for i, question in enumerate(["Write a function that reverses a list.", "How do I read a file?"]):
-            body = {"model": "demo-small", "messages": [{"role": "system", "content": "You write Python."},
-                                                        {"role": "user", "content": question}], "max_tokens": 16}
-            f.write(json.dumps({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": body}) + "\n")
+            body = {
+                "model": "demo-small",
+                "messages": [{"role": "system", "content": "You write Python."}, {"role": "user", "content": question}],
+                "max_tokens": 16,
+            }
+            f.write(
+                json.dumps({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+                + "\n"
+            )
     out = run / "flood-output.jsonl"
     for stale in (out, run / "flood-errors.jsonl", run / "flood-output.jsonl.manifest.json"):
         stale.unlink(missing_ok=True)
-    lingctl("flood", "run", str(batch), "--model", str(checkpoint), "-o", str(out), "--errors",
-            str(run / "flood-errors.jsonl"))
+    lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(checkpoint),
+        "-o",
+        str(out),
+        "--errors",
+        str(run / "flood-errors.jsonl"),
+    )
     answers = {}
     for line in out.read_text().splitlines():
         r = json.loads(line)

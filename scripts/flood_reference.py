@@ -52,24 +52,64 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "moe-normhead": {
         "seed": 1,
         "config": dict(
-            vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, num_experts=8, num_shared_experts=1, num_experts_per_tok=2,
-            moe_intermediate_size=32, first_k_dense_replace=1, norm_head=True, tie_word_embeddings=False,
-            use_qkv_bias=False, use_bias=False, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-            max_position_embeddings=512, initializer_range=0.2, pad_token_id=0, eos_token_id=1,
-            bos_token_id=None, torch_dtype="float32"),
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            num_experts=8,
+            num_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            norm_head=True,
+            tie_word_embeddings=False,
+            use_qkv_bias=False,
+            use_bias=False,
+            norm_topk_prob=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+            torch_dtype="float32",
+        ),
     },
     # The other paths: tied embeddings, plain head, QKV and output biases, no GQA, head_dim * heads != hidden,
     # MoE from the first layer, two shared experts (one MLP twice as wide), top-3 without renormalisation.
     "moe-variant": {
         "seed": 2,
         "config": dict(
-            vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            head_dim=24, intermediate_size=96, num_experts=6, num_shared_experts=2, num_experts_per_tok=3,
-            moe_intermediate_size=32, first_k_dense_replace=0, norm_head=False, tie_word_embeddings=True,
-            use_qkv_bias=True, use_bias=True, norm_topk_prob=False, rope_theta=50000.0, rms_norm_eps=1e-5,
-            max_position_embeddings=512, initializer_range=0.2, pad_token_id=0, eos_token_id=1,
-            bos_token_id=None, torch_dtype="float32"),
+            vocab_size=384,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=24,
+            intermediate_size=96,
+            num_experts=6,
+            num_shared_experts=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            norm_head=False,
+            tie_word_embeddings=True,
+            use_qkv_bias=True,
+            use_bias=True,
+            norm_topk_prob=False,
+            rope_theta=50000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+            torch_dtype="float32",
+        ),
     },
 }
 
@@ -134,7 +174,7 @@ def greedy_full_recompute(model: Any, prompt: list[int], steps: int) -> tuple[li
             last = model(torch.tensor([ids])).logits[0, -1]
             step_logits.append(last)
             ids.append(int(last.argmax()))
-    return ids[len(prompt):], step_logits
+    return ids[len(prompt) :], step_logits
 
 
 def cmd_build(args: argparse.Namespace) -> None:
@@ -191,8 +231,8 @@ def load_reference_model(ckpt: Path, config_cls: Any, model_cls: Any, modeling: 
 
     config = config_cls.from_json_file(str(ckpt / "config.json"))
     model, info = model_cls.from_pretrained(
-        str(ckpt), config=config, torch_dtype=torch.float32, attn_implementation="eager",
-        output_loading_info=True)
+        str(ckpt), config=config, torch_dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     problems = {k: v for k, v in info.items() if v}
     if problems:
         sys.exit(f"{ckpt}: weights not loaded exactly from the file: {problems}")
@@ -209,8 +249,10 @@ def load_reference_model(ckpt: Path, config_cls: Any, model_cls: Any, modeling: 
         if model.lm_head.weight.data_ptr() != model.model.word_embeddings.weight.data_ptr():
             sys.exit(f"{ckpt}: tie_word_embeddings is set but lm_head is not tied to the embeddings")
     if set(state) != expected:
-        sys.exit(f"{ckpt}: model tensors differ from the file's: only in model "
-                 f"{sorted(set(state) - expected)}, only in file {sorted(expected - set(state))}")
+        sys.exit(
+            f"{ckpt}: model tensors differ from the file's: only in model "
+            f"{sorted(set(state) - expected)}, only in file {sorted(expected - set(state))}"
+        )
     for key, tensor in state.items():
         source = stored["model.word_embeddings.weight" if key not in stored else key]
         if tensor.dtype != torch.float32 or not torch.equal(tensor, source):
@@ -224,11 +266,19 @@ def hf_generate(model: Any, prompt: list[int], use_cache: bool) -> tuple[list[in
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-            num_beams=1, eos_token_id=None, pad_token_id=0, use_cache=use_cache, output_logits=True,
-            return_dict_in_generate=True)
-    generated = out.sequences[0, len(prompt):].tolist()
-    if out.sequences[0, :len(prompt)].tolist() != prompt or len(generated) != MAX_NEW_TOKENS:
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=use_cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = out.sequences[0, len(prompt) :].tolist()
+    if out.sequences[0, : len(prompt)].tolist() != prompt or len(generated) != MAX_NEW_TOKENS:
         sys.exit(f"generate returned {out.sequences.tolist()} for prompt {prompt}")
     logits = [x[0] for x in out.logits]
     if [int(x.argmax()) for x in logits] != generated:
@@ -251,8 +301,13 @@ def cmd_reference(args: argparse.Namespace) -> None:
             "command": args.command or " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
         },
         "settings": {
-            "max_new_tokens": MAX_NEW_TOKENS, "greedy": True, "batch_size": 1, "padding": False,
-            "eos_stops_generation": False, "attn_implementation": "eager", "dtype": "float32",
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "greedy": True,
+            "batch_size": 1,
+            "padding": False,
+            "eos_stops_generation": False,
+            "attn_implementation": "eager",
+            "dtype": "float32",
             "logit_decimals": LOGIT_DECIMALS,
             "first_logits": "float32 logits at the last prompt position (the first generated token's step)",
             "top2_gaps": "per generated step, largest minus second-largest logit",
@@ -281,10 +336,13 @@ def cmd_reference(args: argparse.Namespace) -> None:
                 print(f"WARNING {name}: cached and uncached generation disagree for prompt len {len(prompt)}")
             # Logits of every step, KV cache against full recomputation (the argmax may not be what differs).
             case["cache_vs_no_cache_max_abs_logit_diff"] = max(
-                float((a - b).abs().max()) for a, b in zip(logits, logits_nc))
+                float((a - b).abs().max()) for a, b in zip(logits, logits_nc)
+            )
             cases.append(case)
-            print(f"{name} len {len(prompt):3d}: {cached} min gap {case['min_top2_gap']:.4g} "
-                  f"cache agrees {case['cache_agrees']}")
+            print(
+                f"{name} len {len(prompt):3d}: {cached} min gap {case['min_top2_gap']:.4g} "
+                f"cache agrees {case['cache_agrees']}"
+            )
         result["checkpoints"][name] = {
             "weights_sha256": sha256_file(ckpt / "model.safetensors"),
             "config_sha256": sha256_file(ckpt / "config.json"),
@@ -317,8 +375,10 @@ def cmd_check(args: argparse.Namespace) -> None:
             worst = max(worst, diff)
             same = generated == case["generated"]
             ok &= same
-            print(f"{name} len {len(case['prompt']):3d}: tokens {'match' if same else 'DIFFER'}, "
-                  f"first-step logits max abs diff {diff:.3g}")
+            print(
+                f"{name} len {len(case['prompt']):3d}: tokens {'match' if same else 'DIFFER'}, "
+                f"first-step logits max abs diff {diff:.3g}"
+            )
             if not same:
                 print(f"  reference {case['generated']}\n  lingctl   {generated}")
         print(f"{name}: max abs first-step logit difference {worst:.3g}")
@@ -336,10 +396,16 @@ def main() -> None:
     p.set_defaults(func=cmd_build)
     p = sub.add_parser("reference", help="run Ling's BailingMoeForCausalLM on the checkpoints")
     p.add_argument("checkpoints", nargs="+", help="checkpoint directories; each directory's name names it")
-    p.add_argument("--modeling-dir", required=True,
-                   help="directory with Ling's modeling_bailing_moe.py and configuration_bailing_moe.py")
-    p.add_argument("--modeling-code", default="unknown",
-                   help="where the modeling code came from (repo@commit path), recorded in the output")
+    p.add_argument(
+        "--modeling-dir",
+        required=True,
+        help="directory with Ling's modeling_bailing_moe.py and configuration_bailing_moe.py",
+    )
+    p.add_argument(
+        "--modeling-code",
+        default="unknown",
+        help="where the modeling code came from (repo@commit path), recorded in the output",
+    )
     p.add_argument("--command", default=None, help="the command line to record (default: sys.argv)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_reference)

@@ -17,8 +17,17 @@ from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import make_client
 
 # Variables that could point a test at a real account or another endpoint; tests set their own.
-AWS_VARS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+AWS_VARS = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -83,11 +92,18 @@ def s3_bucket(s3_server: LocalS3Server, s3_env: dict[str, str]) -> str:
     return name
 
 
-def run_lingctl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_lingctl(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """``python -m lingctl ARGS`` as a real subprocess, capturing stdout and stderr separately."""
-    return subprocess.run([sys.executable, "-m", "lingctl", *args], capture_output=True, text=True,
-                          env=env if env is not None else dict(os.environ), cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lingctl", *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else dict(os.environ),
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -112,8 +128,19 @@ def text_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     packing take well under a second, so training tests spend their time training."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = tmp_path_factory.mktemp("corpus")
-    names = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "heapq.py",
-             "bisect.py", "shlex.py", "fnmatch.py", "functools.py", "calendar.py"]
+    names = [
+        "argparse.py",
+        "json/decoder.py",
+        "json/encoder.py",
+        "textwrap.py",
+        "string.py",
+        "heapq.py",
+        "bisect.py",
+        "shlex.py",
+        "fnmatch.py",
+        "functools.py",
+        "calendar.py",
+    ]
     for name in names:
         src = root / name
         if src.exists():

@@ -73,11 +73,22 @@ def test_python_dash_m_and_bare_call_shows_help(lingctl) -> None:
 def test_building_the_cli_loads_no_heavy_module() -> None:
     # Every command imports lingctl.cli and builds the whole command tree; torch, Rich, pydantic (Typer's
     # parameter coercion) and the tools' own packages load only in the commands that use them.
-    code = ("import sys, typer, lingctl.cli, lingctl.commands.babel; typer.main.get_command(lingctl.cli.app); "
-            "print(' '.join(sorted(sys.modules)))")
+    code = (
+        "import sys, typer, lingctl.cli, lingctl.commands.babel; typer.main.get_command(lingctl.cli.app); "
+        "print(' '.join(sorted(sys.modules)))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     loaded = set(r.stdout.split())
-    heavy = {"torch", "numpy", "rich", "pydantic", "lingctl.train", "lingctl.flood", "lingctl.pcache", "lingctl.timer",
-             "lingctl.core.doctor"}
+    heavy = {
+        "torch",
+        "numpy",
+        "rich",
+        "pydantic",
+        "lingctl.train",
+        "lingctl.flood",
+        "lingctl.pcache",
+        "lingctl.timer",
+        "lingctl.core.doctor",
+    }
     assert not heavy & loaded

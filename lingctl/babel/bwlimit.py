@@ -26,9 +26,11 @@ def parse_rate(text: str) -> float:
         return 0.0
     m = _RATE_RE.match(text)
     if m is None:
-        raise UsageError(f"invalid --bwlimit {text!r}",
-                         hint="write a rate in bytes per second with a binary suffix, e.g. 10M (10 MiB/s), "
-                              "512K, 1.5G, or 0/off for no limit; a bare number means KiB/s, as in rclone")
+        raise UsageError(
+            f"invalid --bwlimit {text!r}",
+            hint="write a rate in bytes per second with a binary suffix, e.g. 10M (10 MiB/s), "
+            "512K, 1.5G, or 0/off for no limit; a bare number means KiB/s, as in rclone",
+        )
     number, unit = m.groups()
     return float(number) * 1024 ** _POWERS[(unit or "K").upper()]
 
@@ -36,8 +38,9 @@ def parse_rate(text: str) -> float:
 class TokenBucket:
     """Blocks callers so that the bytes charged by all threads together flow at ``rate`` bytes/s."""
 
-    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self, rate: float, *, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
         if rate <= 0:
             raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
         self.rate = rate

@@ -33,7 +33,7 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
             end = body.find("]", i + 1)
             if end < 0:
                 raise UsageError(f"invalid glob {pattern!r}: unclosed '['")
-            out.append("[" + body[i + 1:end].replace("\\", "\\\\") + "]")
+            out.append("[" + body[i + 1 : end].replace("\\", "\\\\") + "]")
             i = end + 1
             continue
         else:

@@ -68,11 +68,14 @@ def sqlite_error(exc: sqlite3.Error, path: Path | None) -> LingctlError:
     """The user-facing kind of a sqlite failure on the journal at ``path``."""
     what = f"sync journal {path or '(in memory)'}"
     if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "database or disk is full" in str(exc):
-        return DiskFullError(f"{what}: database or disk is full",
-                             hint="free space and run the same command again; finished work is kept")
-    return LingctlError(f"{what}: {exc}",
-                        hint="check the free space and permissions of its directory; if the file is damaged, "
-                             "remove it (the next run re-checks the destination)")
+        return DiskFullError(
+            f"{what}: database or disk is full", hint="free space and run the same command again; finished work is kept"
+        )
+    return LingctlError(
+        f"{what}: {exc}",
+        hint="check the free space and permissions of its directory; if the file is damaged, "
+        "remove it (the next run re-checks the destination)",
+    )
 
 
 class Journal:
@@ -138,6 +141,7 @@ class Journal:
         with self._cv:
             rows, self._pending = self._pending, []
         if rows:
+
             def write(db: sqlite3.Connection) -> None:
                 db.execute("BEGIN")
                 db.executemany("INSERT OR REPLACE INTO done VALUES (?, ?, ?, ?, ?, ?)", rows)
@@ -164,8 +168,7 @@ class Journal:
         me, host, now = self._run_name(), host_tag(), time.time()
 
         def swap(db: sqlite3.Connection) -> bool:
-            others = db.execute("SELECT name, value FROM state WHERE name LIKE 'run:%' AND name != ?",
-                                (me,)).fetchall()
+            others = db.execute("SELECT name, value FROM state WHERE name LIKE 'run:%' AND name != ?", (me,)).fetchall()
             db.execute("BEGIN")
             for name, started in others:
                 _, run_host, pid = name.split(":", 2)
@@ -189,15 +192,19 @@ class Journal:
     def done(self, key: str) -> Done | None:
         self._raise_pending()
         self.flush()
-        row = self._run(lambda db: db.execute("SELECT size, src_mtime, crc, dst_etag, dst_mtime FROM done WHERE key=?",
-                                              (key,)).fetchone())
+        row = self._run(
+            lambda db: db.execute(
+                "SELECT size, src_mtime, crc, dst_etag, dst_mtime FROM done WHERE key=?", (key,)
+            ).fetchone()
+        )
         return Done(*row) if row else None
 
     def all_done(self) -> dict[str, Done]:
         self._raise_pending()
         self.flush()
-        rows = self._run(lambda db: db.execute("SELECT key, size, src_mtime, crc, dst_etag, dst_mtime FROM done")
-                         .fetchall())
+        rows = self._run(
+            lambda db: db.execute("SELECT key, size, src_mtime, crc, dst_etag, dst_mtime FROM done").fetchall()
+        )
         return {r[0]: Done(*r[1:]) for r in rows}
 
     def mark_done(self, key: str, rec: Done) -> None:
@@ -213,29 +220,41 @@ class Journal:
 
     # -- multipart ------------------------------------------------------------------------------------
     def upload(self, key: str) -> Upload | None:
-        row = self._run(lambda db: db.execute("SELECT upload_id, size, src_mtime, part_size, src_etag FROM uploads "
-                                              "WHERE key=?", (key,)).fetchone())
+        row = self._run(
+            lambda db: db.execute(
+                "SELECT upload_id, size, src_mtime, part_size, src_etag FROM uploads WHERE key=?", (key,)
+            ).fetchone()
+        )
         return Upload(*row) if row else None
 
     def start_upload(self, key: str, up: Upload) -> None:
         def write(db: sqlite3.Connection) -> None:
             db.execute("BEGIN")
             db.execute("DELETE FROM parts WHERE key=?", (key,))
-            db.execute("INSERT OR REPLACE INTO uploads VALUES (?, ?, ?, ?, ?, ?)",
-                       (key, up.upload_id, up.size, up.src_mtime, up.part_size, up.src_etag))
+            db.execute(
+                "INSERT OR REPLACE INTO uploads VALUES (?, ?, ?, ?, ?, ?)",
+                (key, up.upload_id, up.size, up.src_mtime, up.part_size, up.src_etag),
+            )
             db.execute("COMMIT")
 
         self._run(write)
 
     def parts(self, key: str, upload_id: str) -> dict[int, tuple[str, int, int]]:
         """Finished parts: number -> (etag, crc value, length)."""
-        rows = self._run(lambda db: db.execute("SELECT number, etag, crc, length FROM parts WHERE key=? AND "
-                                               "upload_id=?", (key, upload_id)).fetchall())
+        rows = self._run(
+            lambda db: db.execute(
+                "SELECT number, etag, crc, length FROM parts WHERE key=? AND upload_id=?", (key, upload_id)
+            ).fetchall()
+        )
         return {r[0]: (r[1], int(r[2]), r[3]) for r in rows}
 
     def add_part(self, key: str, upload_id: str, number: int, etag: str, crc: int, length: int) -> None:
-        self._run(lambda db: db.execute("INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?, ?)",
-                                        (key, upload_id, number, etag, str(crc), length)))  # unsigned 64-bit: text
+        self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?, ?)",
+                (key, upload_id, number, etag, str(crc), length),
+            )
+        )  # unsigned 64-bit: text
 
     def end_upload(self, key: str, done: Done | None) -> None:
         """The upload completed (``done``) or was abandoned (None): drop its parts, record the object."""
@@ -247,8 +266,10 @@ class Journal:
             db.execute("DELETE FROM parts WHERE key=?", (key,))
             db.execute("DELETE FROM uploads WHERE key=?", (key,))
             if done is not None:
-                db.execute("INSERT OR REPLACE INTO done VALUES (?, ?, ?, ?, ?, ?)",
-                           (key, done.size, done.src_mtime, done.crc, done.dst_etag, done.dst_mtime))
+                db.execute(
+                    "INSERT OR REPLACE INTO done VALUES (?, ?, ?, ?, ?, ?)",
+                    (key, done.size, done.src_mtime, done.crc, done.dst_etag, done.dst_mtime),
+                )
             db.execute("COMMIT")
 
         self._run(write)

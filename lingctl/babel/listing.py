@@ -19,9 +19,16 @@ from lingctl.core.storage.retry import Aimd
 __all__ = ["Listed", "ListStats", "OnUnreadable", "UnreadableError", "list_tree"]
 
 
-def list_tree(url: StoreURL | str, s3: S3Options | None = None, *, jobs: int = 16, stats: ListStats | None = None,
-              skip_dirs: frozenset[str] = frozenset(), on_unreadable: OnUnreadable | None = None,
-              gate: Aimd | None = None) -> Iterator[list[Listed]]:
+def list_tree(
+    url: StoreURL | str,
+    s3: S3Options | None = None,
+    *,
+    jobs: int = 16,
+    stats: ListStats | None = None,
+    skip_dirs: frozenset[str] = frozenset(),
+    on_unreadable: OnUnreadable | None = None,
+    gate: Aimd | None = None,
+) -> Iterator[list[Listed]]:
     """Every object under url (recursively), in batches, in no particular order.
 
     The root is checked (and S3 credentials resolved) at once; listing starts on the first ``next()``.

@@ -33,7 +33,9 @@ def parse_duration(text: str) -> float:
             value += float(m.group(1)) * _SECONDS[m.group(2)]
             pos = m.end()
         if pos != len(s) or not s:
-            raise UsageError(f"invalid duration {text!r}", hint="write e.g. 1m, 30s, 500ms, 1h30m, or 0 for off")
+            raise UsageError(
+                f"invalid duration {text!r}", hint="write e.g. 1m, 30s, 500ms, 1h30m, or 0 for off"
+            ) from None
     if value < 0:
         raise UsageError(f"invalid duration {text!r}: must not be negative")
     return value
@@ -82,12 +84,20 @@ class Meter:
     def line(self, now: float | None = None) -> str:
         """One stats line: bytes done / queued so far, percent, rate, ETA, objects, errors, elapsed."""
         with self._lock:
-            done, total, copied, checked, listed, errors = (self.done_bytes, self.queued_bytes, self.copied,
-                                                            self.checked, self.listed, self.errors)
+            done, total, copied, checked, listed, errors = (
+                self.done_bytes,
+                self.queued_bytes,
+                self.copied,
+                self.checked,
+                self.listed,
+                self.errors,
+            )
         elapsed = max((now if now is not None else time.monotonic()) - self.started, 1e-9)
         rate = done / elapsed
         percent = f"{100 * done // total}%" if total else "-"
         eta = format_duration((total - done) / rate) if rate > 0 and total >= done else "-"
-        return (f"Transferred: {format_size(done)} / {format_size(total)}, {percent}, {format_size(rate)}/s, "
-                f"ETA {eta}; objects: {copied} copied, {checked} checked, {listed} listed; errors: {errors}; "
-                f"elapsed {format_duration(elapsed)}")
+        return (
+            f"Transferred: {format_size(done)} / {format_size(total)}, {percent}, {format_size(rate)}/s, "
+            f"ETA {eta}; objects: {copied} copied, {checked} checked, {listed} listed; errors: {errors}; "
+            f"elapsed {format_duration(elapsed)}"
+        )

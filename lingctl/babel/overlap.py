@@ -34,9 +34,9 @@ def overlap(a: StoreURL, b: StoreURL) -> str | None:
     sa, sb = _segments(a), _segments(b)
     if sa == sb:
         return "is the same as"
-    if sa[:len(sb)] == sb:
+    if sa[: len(sb)] == sb:
         return "is inside"
-    if sb[:len(sa)] == sa:
+    if sb[: len(sa)] == sa:
         return "contains"
     return None
 
@@ -49,8 +49,12 @@ def check_no_overlap(src: StoreURL, dst: StoreURL, *, allow_nested: bool = False
         return
     shown_src, shown_dst = printable(str(src)), printable(str(dst))
     if how == "is the same as":
-        raise UsageError(f"source {shown_src} and destination {shown_dst} are the same tree",
-                         hint="give two different directories or prefixes")
-    raise UsageError(f"source {shown_src} {how} destination {shown_dst}: a sync between overlapping trees "
-                     "would copy into or delete its own source",
-                     hint="choose a source and a destination that do not contain each other")
+        raise UsageError(
+            f"source {shown_src} and destination {shown_dst} are the same tree",
+            hint="give two different directories or prefixes",
+        )
+    raise UsageError(
+        f"source {shown_src} {how} destination {shown_dst}: a sync between overlapping trees "
+        "would copy into or delete its own source",
+        hint="choose a source and a destination that do not contain each other",
+    )

@@ -38,8 +38,11 @@ def prepare(src: StoreURL, dst: StoreURL, state_dir: Path | None, *, dry_run: bo
     if not src.is_s3 and not os.path.isdir(src.path):
         return state_dir
     state = state_dir_for(dst, state_dir)
-    hint = ("give --state-dir a directory you can write to" if state_dir is not None
-            else "pass --state-dir DIR to keep the journal elsewhere")
+    hint = (
+        "give --state-dir a directory you can write to"
+        if state_dir is not None
+        else "pass --state-dir DIR to keep the journal elsewhere"
+    )
     # lingctl's own cache location is owner-checked where others can write.
     _prepare_state(state, hint, check_shared=state_dir is None, dry_run=dry_run)
     if not dst.is_s3 and not dry_run:

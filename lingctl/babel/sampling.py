@@ -43,8 +43,9 @@ def _check(samples: int, sample_size: int) -> None:
 def _seed(key: str, size: int) -> bytes:
     # Length-prefixing the key keeps ("a", 12) and ("a1", 2)-style pairs from sharing an encoding.
     data = key.encode("utf-8")
-    return hashlib.blake2b(len(data).to_bytes(8, "little") + data + size.to_bytes(16, "little"),
-                           digest_size=32, person=_PERSON).digest()
+    return hashlib.blake2b(
+        len(data).to_bytes(8, "little") + data + size.to_bytes(16, "little"), digest_size=32, person=_PERSON
+    ).digest()
 
 
 def _below(seed: bytes, counter: int, n: int) -> int:
@@ -81,8 +82,9 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def sample_ranges(key: str, size: int, *, samples: int = DEFAULT_SAMPLES,
-                  sample_size: int = DEFAULT_SAMPLE_SIZE) -> list[tuple[int, int]]:
+def sample_ranges(
+    key: str, size: int, *, samples: int = DEFAULT_SAMPLES, sample_size: int = DEFAULT_SAMPLE_SIZE
+) -> list[tuple[int, int]]:
     """The sorted, non-overlapping ``(offset, length)`` ranges of an object to CRC when verifying it.
 
     ``key`` is the object's key relative to the tree being copied, the same on both sides. Objects of at most
@@ -116,8 +118,9 @@ def coverage(size: int, ranges: Iterable[tuple[int, int]]) -> float:
     return sum(length for _, length in _merge(clipped)) / size
 
 
-def detection_probability(size: int, *, samples: int = DEFAULT_SAMPLES, sample_size: int = DEFAULT_SAMPLE_SIZE,
-                          changed_bytes: int = 1) -> float:
+def detection_probability(
+    size: int, *, samples: int = DEFAULT_SAMPLES, sample_size: int = DEFAULT_SAMPLE_SIZE, changed_bytes: int = 1
+) -> float:
     """The probability that a change to ``changed_bytes`` contiguous bytes at a uniformly random position is
     caught, i.e. overlaps a sampled range.
 
@@ -145,8 +148,9 @@ def detection_probability(size: int, *, samples: int = DEFAULT_SAMPLES, sample_s
     return min(1.0, (samples * sample_size + (changed_bytes - 1) * samples) / size)
 
 
-def block_damage_detection(size: int, damaged_fraction: float, samples: int = DEFAULT_SAMPLES,
-                           sample_size: int = DEFAULT_SAMPLE_SIZE) -> float:
+def block_damage_detection(
+    size: int, damaged_fraction: float, samples: int = DEFAULT_SAMPLES, sample_size: int = DEFAULT_SAMPLE_SIZE
+) -> float:
     """The probability that damage to a fraction ``f`` of the ``sample_size`` blocks, spread across the file,
     is caught: at least one of the k = ``samples`` sampled blocks is damaged,
 

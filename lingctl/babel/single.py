@@ -71,8 +71,9 @@ def plan(src_text: str, dst_text: str, s3: S3Options) -> Plan:
     else:
         single = os.path.isfile(src.path)
         if single and src_text.rstrip().endswith("/"):
-            raise UsageError(f"{printable(src_text)} is a file, not a directory",
-                             hint="drop the trailing '/' to copy the file")
+            raise UsageError(
+                f"{printable(src_text)} is a file, not a directory", hint="drop the trailing '/' to copy the file"
+            )
     if not single:
         return Plan(src, dst)
     src_root, name = _parent(src)
@@ -90,15 +91,18 @@ def _refuse_same_object(src_root: StoreURL, key: str, dst_root: StoreURL, dst_ke
     if src_root.is_s3 != dst_root.is_s3:
         return
     if src_root.is_s3:
-        same = (src_root.bucket, posixpath.join(src_root.prefix, key)) == \
-               (dst_root.bucket, posixpath.join(dst_root.prefix, dst_key))
+        same = (src_root.bucket, posixpath.join(src_root.prefix, key)) == (
+            dst_root.bucket,
+            posixpath.join(dst_root.prefix, dst_key),
+        )
     else:
         a = os.path.realpath(os.path.join(src_root.path, key))
         same = a == os.path.realpath(os.path.join(dst_root.path, dst_key))
     if same:
         shown = printable(str(src_root.join(key)))
-        raise UsageError(f"source and destination are the same file ({shown})",
-                         hint="give another destination name or directory")
+        raise UsageError(
+            f"source and destination are the same file ({shown})", hint="give another destination name or directory"
+        )
 
 
 class RenamedKeys:

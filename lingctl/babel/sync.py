@@ -143,16 +143,22 @@ class SyncResult:
 
         kinds = {f.get("kind") for f in failed}
         if "verify" in kinds:
-            return VerificationError(f"{count}; first to fail verification: {first('verify')}",
-                                     hint="a copy that differs is copied again by the same command (if that "
-                                          "recurs, check the destination's storage); a refused name fails "
-                                          "again until the source object is renamed")
+            return VerificationError(
+                f"{count}; first to fail verification: {first('verify')}",
+                hint="a copy that differs is copied again by the same command (if that "
+                "recurs, check the destination's storage); a refused name fails "
+                "again until the source object is renamed",
+            )
         if "error" in kinds:
-            return LingctlError(f"{count}; this failure will happen again as it stands: {first('error')}",
-                                hint="fix its cause (name, permission, space), then run the same command again; "
-                                     "finished objects are kept")
-        return RetryableError(f"{count}; first: {first('retryable')}",
-                              hint="run the same command again: finished objects and parts are kept")
+            return LingctlError(
+                f"{count}; this failure will happen again as it stands: {first('error')}",
+                hint="fix its cause (name, permission, space), then run the same command again; "
+                "finished objects are kept",
+            )
+        return RetryableError(
+            f"{count}; first: {first('retryable')}",
+            hint="run the same command again: finished objects and parts are kept",
+        )
 
 
 # ("listed" | "checked" | "queued" | "copied" | "bytes" | "failed", amount); called from many threads
@@ -160,8 +166,9 @@ Progress = Callable[[str, int], None]
 
 
 class Syncer:
-    def __init__(self, src_url: StoreURL, dst_url: StoreURL, s3: S3Options, opts: SyncOptions,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self, src_url: StoreURL, dst_url: StoreURL, s3: S3Options, opts: SyncOptions, progress: Progress | None = None
+    ) -> None:
         opts.validate()
         self.src_url, self.dst_url, self.s3, self.opts = src_url, dst_url, s3, opts
         self.progress = progress or (lambda kind, n: None)
@@ -169,8 +176,9 @@ class Syncer:
         self.src: ObjectStore = open_store(src_url, s3, gate=self.gate)
         self.dst: ObjectStore = open_store(dst_url, s3, gate=self.gate)
         self.filter = KeyFilter(list(opts.include), list(opts.exclude), opts.shard)
-        self.result = SyncResult(source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run,
-                                 verify_mode=opts.verify)
+        self.result = SyncResult(
+            source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run, verify_mode=opts.verify
+        )
         self._lock = threading.Lock()
         self._heads = 0
         self._fatal: DiskFullError | None = None  # a full disk stops the run: every further write would fail
@@ -210,14 +218,22 @@ class Syncer:
             if opts.objects is not None:  # single objects: look at their destinations alone, list nothing
                 index.add_many(self._versions(self.dst, opts.objects.values()))
             elif self.dst.local_root is None or self.dst.local_root.is_dir():
-                for batch in list_tree(self.dst_url, self.s3, jobs=opts.jobs, stats=stats,
-                                       skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable):
+                for batch in list_tree(
+                    self.dst_url,
+                    self.s3,
+                    jobs=opts.jobs,
+                    stats=stats,
+                    skip_dirs=frozenset({STATE_DIR_NAME}),
+                    on_unreadable=self._unreadable,
+                ):
                     index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
             self.result.listed_destination = index.count
             self.known = self.journal.all_done()
             deferred: list[Item] = []
-            with ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-obj") as objects, \
-                    ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-part") as parts:
+            with (
+                ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-obj") as objects,
+                ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-part") as parts,
+            ):
                 self._parts = parts
                 window = threading.BoundedSemaphore(opts.jobs * 4)  # listing runs ahead of copying, not unbounded
                 futures: list[Future[Any]] = []
@@ -257,8 +273,14 @@ class Syncer:
                 if deferred and self._fatal is None:
                     if self.result.failed:
                         for item in deferred:
-                            self.result.failed.append({"key": item.key, "error": "held back: other objects failed, "
-                                                       "so the commit-last object was not copied", "kind": "held"})
+                            self.result.failed.append(
+                                {
+                                    "key": item.key,
+                                    "error": "held back: other objects failed, "
+                                    "so the commit-last object was not copied",
+                                    "kind": "held",
+                                }
+                            )
                     else:
                         for item in deferred:  # after everything else is copied and verified
                             self.progress("queued", item.size)
@@ -269,8 +291,10 @@ class Syncer:
             if opts.delete and not self.result.listed_source and self.src_url.is_s3 and self.src_url.prefix:
                 # S3 has no directories: an empty prefix is most likely a typo, and a sync from it would empty
                 # the destination. rclone refuses it the same way ("directory not found").
-                raise NotFoundError(f"{self.src_url}: no objects under this prefix (directory not found); "
-                                    "nothing was deleted", hint="check the source URL")
+                raise NotFoundError(
+                    f"{self.src_url}: no objects under this prefix (directory not found); nothing was deleted",
+                    hint="check the source URL",
+                )
             if opts.delete:
                 assert src_seen is not None
                 self._delete(index, src_seen)
@@ -300,8 +324,14 @@ class Syncer:
         keys, read through a view of the source that maps those keys back (rclone's copyto)."""
         names = self.opts.objects
         if names is None:
-            return list_tree(self.src_url, self.s3, jobs=self.opts.jobs, stats=stats,
-                             skip_dirs=frozenset({STATE_DIR_NAME}), on_unreadable=self._unreadable)
+            return list_tree(
+                self.src_url,
+                self.s3,
+                jobs=self.opts.jobs,
+                stats=stats,
+                skip_dirs=frozenset({STATE_DIR_NAME}),
+                on_unreadable=self._unreadable,
+            )
         renamed = {d: s for s, d in names.items() if d != s}
         if renamed:
             self.src = RenamedKeys(self.src, renamed)  # type: ignore[assignment]
@@ -390,10 +420,18 @@ class Syncer:
             # Sampled verification of an object copied to S3 is the server's own check of the MD5 of each
             # request's body (Content-MD5, as rclone sends it): the bytes it stored are the bytes that were
             # read, and no read-back is needed. Local destinations and --verify full read back.
-            item, done, checked = copy_object(self.src, self.dst, item, journal=self.journal,
-                                              part_size=self.opts.part_size, parts_pool=self._parts,
-                                              on_resumed=self._count_resumed, on_restart=self._count_restart,
-                                              server_check=self.opts.verify == "sampled", on_bytes=self._moved)
+            item, done, checked = copy_object(
+                self.src,
+                self.dst,
+                item,
+                journal=self.journal,
+                part_size=self.opts.part_size,
+                parts_pool=self._parts,
+                on_resumed=self._count_resumed,
+                on_restart=self._count_restart,
+                server_check=self.opts.verify == "sampled",
+                on_bytes=self._moved,
+            )
             self.journal.mark_done(item.key, done)
             if not checked:
                 check_copy(self.src, self.dst, item, done, self.opts.verify, self.opts.samples)
@@ -409,9 +447,13 @@ class Syncer:
                 with self._lock:
                     self._fatal = self._fatal or full
             with self._lock:
-                self.result.failed.append({"key": item.key, "error": str(exc),
-                                           "kind": "verify" if exc.exit_code == 4 else
-                                           ("retryable" if exc.retryable else "error")})
+                self.result.failed.append(
+                    {
+                        "key": item.key,
+                        "error": str(exc),
+                        "kind": "verify" if exc.exit_code == 4 else ("retryable" if exc.retryable else "error"),
+                    }
+                )
             self.progress("failed", 1)
             return
         with self._lock:
@@ -455,9 +497,11 @@ class Syncer:
             self.result.deletes_skipped = f"{len(doomed)} deletion(s) skipped because copies failed"
             return
         if self.opts.max_delete is not None and len(doomed) > self.opts.max_delete:
-            raise LingctlError(f"sync would delete {len(doomed)} objects, more than --max-delete "
-                               f"{self.opts.max_delete}; nothing was deleted",
-                               hint="check the source, or raise --max-delete")
+            raise LingctlError(
+                f"sync would delete {len(doomed)} objects, more than --max-delete "
+                f"{self.opts.max_delete}; nothing was deleted",
+                hint="check the source, or raise --max-delete",
+            )
         for key in doomed:
             self.dst.delete(key)
             self.journal.forget(key)

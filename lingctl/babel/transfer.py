@@ -58,10 +58,19 @@ class Item:
 Notify = Callable[[int], None]
 
 
-def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Journal, part_size: int | None,
-                parts_pool: ThreadPoolExecutor, on_resumed: Notify | None = None,
-                on_restart: Notify | None = None, server_check: bool = False,
-                on_bytes: Notify | None = None) -> tuple[Item, Done, bool]:
+def copy_object(
+    src: ObjectStore,
+    dst: ObjectStore,
+    item: Item,
+    *,
+    journal: Journal,
+    part_size: int | None,
+    parts_pool: ThreadPoolExecutor,
+    on_resumed: Notify | None = None,
+    on_restart: Notify | None = None,
+    server_check: bool = False,
+    on_bytes: Notify | None = None,
+) -> tuple[Item, Done, bool]:
     """Copy ``item``; returns the version copied (the listed one, or a newer one if the source changed during
     the copy), what the journal records for it, and whether the destination's server checked the body it
     received (``server_check`` on a store that ``checks_bodies``: every request of this copy carried the
@@ -70,18 +79,23 @@ def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Jour
     a multipart copy (so ``--bwlimit`` paces a large object part by part) or after a whole object."""
     for attempt in range(1, SOURCE_ATTEMPTS + 1):
         try:
-            done, checked = _copy_version(src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart,
-                                          server_check, on_bytes)
+            done, checked = _copy_version(
+                src, dst, item, journal, part_size, parts_pool, on_resumed, on_restart, server_check, on_bytes
+            )
             return item, done, checked
         except SourceChangedError as exc:
             if attempt == SOURCE_ATTEMPTS:
-                raise SourceChangedError(f"{item.key}: the source changed during each of {SOURCE_ATTEMPTS} "
-                                         f"attempts to copy it ({exc}); nothing was written",
-                                         hint="run the same command again once the source holds still") from exc
+                raise SourceChangedError(
+                    f"{item.key}: the source changed during each of {SOURCE_ATTEMPTS} "
+                    f"attempts to copy it ({exc}); nothing was written",
+                    hint="run the same command again once the source holds still",
+                ) from exc
             now = src.version(item.key)
             if now is None:
-                raise RetryableError(f"{item.key}: the source was removed during the copy; nothing was written",
-                                     hint="run the same command again: it no longer lists this object") from exc
+                raise RetryableError(
+                    f"{item.key}: the source was removed during the copy; nothing was written",
+                    hint="run the same command again: it no longer lists this object",
+                ) from exc
             log.info("%s: %s; copying the new version", item.key, exc)
             item = Item(item.key, now.size, now.mtime, now.etag)
             if on_restart is not None:
@@ -89,27 +103,40 @@ def copy_object(src: ObjectStore, dst: ObjectStore, item: Item, *, journal: Jour
     raise AssertionError("unreachable")
 
 
-def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journal, part_size: int | None,
-                  pool: ThreadPoolExecutor, on_resumed: Notify | None, on_restart: Notify | None,
-                  server_check: bool = False, on_bytes: Notify | None = None) -> tuple[Done, bool]:
+def _copy_version(
+    src: ObjectStore,
+    dst: ObjectStore,
+    item: Item,
+    journal: Journal,
+    part_size: int | None,
+    pool: ThreadPoolExecutor,
+    on_resumed: Notify | None,
+    on_restart: Notify | None,
+    server_check: bool = False,
+    on_bytes: Notify | None = None,
+) -> tuple[Done, bool]:
     psize = part_size_for(item.size, part_size)
     if item.size <= psize:
         data = src.read(item.key, pin=item.version)
         if len(data) != item.size:
             raise SourceChangedError(f"{item.key}: {len(data)} bytes read, {item.size} listed")
         crc = crc64_bytes(data)
-        written = dst.write(item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc,
-                            server_check=server_check)
+        written = dst.write(
+            item.key, data, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=crc, server_check=server_check
+        )
         if on_bytes is not None:
             on_bytes(item.size)
-        return Done(item.size, item.mtime, crc.tagged(), written.etag, written.mtime), server_check and dst.checks_bodies
+        return Done(
+            item.size, item.mtime, crc.tagged(), written.etag, written.mtime
+        ), server_check and dst.checks_bodies
     uploads = dst.multipart
     if uploads is None:
         raise UsageError(f"{dst.describe()} cannot take objects in parts; {item.key} needs {psize}-byte parts")
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
-            done, resumed = _copy_multipart(src, dst, uploads, item, psize, journal, pool, on_resumed,
-                                            server_check, on_bytes)
+            done, resumed = _copy_multipart(
+                src, dst, uploads, item, psize, journal, pool, on_resumed, server_check, on_bytes
+            )
             # Parts sent by an earlier run may have gone without Content-MD5: such an object is read back.
             return done, server_check and dst.checks_bodies and not resumed
         except UploadGoneError as exc:
@@ -123,9 +150,18 @@ def _copy_version(src: ObjectStore, dst: ObjectStore, item: Item, journal: Journ
     raise AssertionError("unreachable")
 
 
-def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUploads, item: Item, psize: int,
-                    journal: Journal, pool: ThreadPoolExecutor, on_resumed: Notify | None,
-                    server_check: bool = False, on_bytes: Notify | None = None) -> tuple[Done, bool]:
+def _copy_multipart(
+    src: ObjectStore,
+    dst: ObjectStore,
+    uploads: MultipartUploads,
+    item: Item,
+    psize: int,
+    journal: Journal,
+    pool: ThreadPoolExecutor,
+    on_resumed: Notify | None,
+    server_check: bool = False,
+    on_bytes: Notify | None = None,
+) -> tuple[Done, bool]:
     """The copy's journal record, and whether parts sent by an earlier run were kept."""
     key = item.key
     pin = item.version
@@ -136,8 +172,12 @@ def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUpload
     resumable = uploads.resumable
     upload = journal.upload(key) if resumable else None
     finished: dict[int, tuple[str, int, int]] = {}
-    if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == \
-            (item.size, item.mtime, psize, item.etag):
+    if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == (
+        item.size,
+        item.mtime,
+        psize,
+        item.etag,
+    ):
         finished = journal.parts(key, upload.upload_id)
         upload_id = upload.upload_id
         if on_resumed is not None:
@@ -182,11 +222,18 @@ def _copy_multipart(src: ObjectStore, dst: ObjectStore, uploads: MultipartUpload
         uploads.abort(key, upload_id)
         if resumable:
             journal.end_upload(key, None)
-        raise RetryableError(f"{key}: the parts read add up to {total.tagged()}, but the source records "
-                             f"{expected}; the source changed during the copy (nothing was completed)")
+        raise RetryableError(
+            f"{key}: the parts read add up to {total.tagged()}, but the source records "
+            f"{expected}; the source changed during the copy (nothing was completed)"
+        )
     try:
-        completed = uploads.complete(key, upload_id, [(n, results[n][0]) for n in range(1, count + 1)],
-                                     mtime=item.mtime, mtime_ns=_exact_mtime(src, item))
+        completed = uploads.complete(
+            key,
+            upload_id,
+            [(n, results[n][0]) for n in range(1, count + 1)],
+            mtime=item.mtime,
+            mtime_ns=_exact_mtime(src, item),
+        )
     except BaseException:
         if not resumable:
             uploads.abort(key, upload_id)
@@ -239,8 +286,17 @@ def crc_of(side: ObjectStore, key: str, size: int, pin: Version | None = None) -
     return total
 
 
-def compare(src: ObjectStore, dst: ObjectStore, key: str, size: int, mode: str, *, samples: int,
-            expected: str | None = None, pin: Version | None = None) -> tuple[str, str] | None:
+def compare(
+    src: ObjectStore,
+    dst: ObjectStore,
+    key: str,
+    size: int,
+    mode: str,
+    *,
+    samples: int,
+    expected: str | None = None,
+    pin: Version | None = None,
+) -> tuple[str, str] | None:
     """None when the two sides agree, else (source detail, destination detail). ``sampled`` compares the
     CRCs of the same deterministic ranges on both sides; ``full`` the whole-object CRCs. Source reads are
     pinned to ``pin`` when given (``SourceChangedError`` if the source is no longer that version)."""
@@ -265,8 +321,17 @@ def check_copy(src: ObjectStore, dst: ObjectStore, item: Item, done: Done, mode:
     is reported as changed (retryable), not as a damaged copy."""
     if mode == "none":
         return
-    diff = compare(src, dst, item.key, item.size, mode, samples=samples,
-                   expected=done.crc if mode == "full" else None, pin=item.version)
+    diff = compare(
+        src,
+        dst,
+        item.key,
+        item.size,
+        mode,
+        samples=samples,
+        expected=done.crc if mode == "full" else None,
+        pin=item.version,
+    )
     if diff is not None:
-        raise VerificationError(f"{item.key}: destination differs from the source after the copy: "
-                                f"source {diff[0]}, destination {diff[1]}")
+        raise VerificationError(
+            f"{item.key}: destination differs from the source after the copy: source {diff[0]}, destination {diff[1]}"
+        )

@@ -38,8 +38,16 @@ class VerifyResult:
         return not self.differences
 
 
-def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "sampled",
-           samples: int = DEFAULT_SAMPLES, jobs: int = 16, key_filter: KeyFilter | None = None) -> VerifyResult:
+def verify(
+    src_url: StoreURL,
+    dst_url: StoreURL,
+    s3: S3Options,
+    *,
+    mode: str = "sampled",
+    samples: int = DEFAULT_SAMPLES,
+    jobs: int = 16,
+    key_filter: KeyFilter | None = None,
+) -> VerifyResult:
     if mode not in ("meta", "sampled", "full"):
         raise UsageError(f"--mode must be meta, sampled or full, got {mode!r}")
     start = time.monotonic()
@@ -63,8 +71,9 @@ def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "
             if other is None:
                 result.differences.append({"key": key, "problem": "missing in destination", "source_size": size})
             elif other[0] != size:
-                result.differences.append({"key": key, "problem": "size differs", "source_size": size,
-                                           "destination_size": other[0]})
+                result.differences.append(
+                    {"key": key, "problem": "size differs", "source_size": size, "destination_size": other[0]}
+                )
             else:
                 pairs.append((key, size))
         for key, (size, _, _) in b.items():
@@ -77,8 +86,14 @@ def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "
             diff = compare(src, dst, key, size, mode, samples=samples)
             if diff is None:
                 return None
-            return {"key": key, "problem": f"content differs ({mode})", "source_size": size,
-                    "destination_size": size, "source_checksum": diff[0], "destination_checksum": diff[1]}
+            return {
+                "key": key,
+                "problem": f"content differs ({mode})",
+                "source_size": size,
+                "destination_size": size,
+                "source_checksum": diff[0],
+                "destination_checksum": diff[1],
+            }
 
         if mode == "meta":
             result.matched = len(pairs)
@@ -89,8 +104,11 @@ def verify(src_url: StoreURL, dst_url: StoreURL, s3: S3Options, *, mode: str = "
                         result.matched += 1
                     else:
                         result.differences.append(found)
-                    result.bytes_read += (pair[1] if mode == "full" else
-                                          sum(n for _, n in sample_ranges(pair[0], pair[1], samples=samples)))
+                    result.bytes_read += (
+                        pair[1]
+                        if mode == "full"
+                        else sum(n for _, n in sample_ranges(pair[0], pair[1], samples=samples))
+                    )
     finally:
         a.close()
         b.close()

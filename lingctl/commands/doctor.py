@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
+from lingctl.commands.options import (
+    DEFAULT_RETRIES,
+    EndpointOpt,
+    JsonOpt,
+    PathStyleOpt,
+    ProfileOpt,
+    RegionOpt,
+    RetriesOpt,
+    s3_options,
+)
 from lingctl.core.errors import UsageError
 from lingctl.core.output import Output
 from lingctl.core.units import parse_size
@@ -23,16 +32,22 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
 def doctor(
-    probe: Annotated[str | None, typer.Option(
-        "--probe", metavar="URL",
-        help="Round-trip a test object through URL (s3://bucket/prefix or a path): put, list, get, verify, delete.")] = None,
+    probe: Annotated[
+        str | None,
+        typer.Option(
+            "--probe",
+            metavar="URL",
+            help="Round-trip a test object through URL (s3://bucket/prefix or a path): put, list, get, verify, delete "
+            "(default: no probe).",
+        ),
+    ] = None,
     probe_size: Annotated[str, typer.Option("--probe-size", metavar="SIZE", help="Size of the probe object.")] = "8MiB",
-    path: Annotated[Path, typer.Option("--path", help="Where to check free disk space.")] = Path("."),
+    path: Annotated[Path, typer.Option("--path", metavar="PATH", help="Where to check free disk space.")] = Path("."),
     endpoint_url: EndpointOpt = None,
     region: RegionOpt = None,
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
-    retries: RetriesOpt = 3,
+    retries: RetriesOpt = DEFAULT_RETRIES,
     json: JsonOpt = False,
 ) -> None:
     """Check Python, torch and devices, CPU, memory, disk, rclone and the S3 endpoint; optionally probe a store.
@@ -46,8 +61,12 @@ def doctor(
     size = parse_size(probe_size)
     if size > _MAX_PROBE:
         raise UsageError(f"--probe-size {probe_size} is larger than the 1 GiB limit (the probe is held in memory)")
-    report = run_doctor(s3=s3_options(endpoint_url, region, profile, path_style, retries), disk_path=path,
-                        probe_url=probe, probe_size=size)
+    report = run_doctor(
+        s3=s3_options(endpoint_url, region, profile, path_style, retries),
+        disk_path=path,
+        probe_url=probe,
+        probe_size=size,
+    )
     out.result(report.to_json(), lambda console: _render(report, console))
     if report.first_error is not None:
         raise report.first_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import typer
@@ -14,28 +14,69 @@ from lingctl.core.storage.url import check_endpoint_url
 
 log = logging.getLogger("lingctl.commands")
 
+# One default for every command that talks to a store. Five attempts, the first included: a request that
+# fails five times in a row (with backoff between) is not a transient fault, and five is already the floor
+# that babel's listings use for their many pages (lingctl.core.storage.s3_listing).
+DEFAULT_RETRIES = 5
+
+# Fixed sets of values: Typer checks them (a bad one is a usage error, exit 2) and --help lists them.
+VerifyMode = Literal["none", "sampled", "full"]
+Dtype = Literal["float32", "bfloat16"]
+
+# Where a command writes one file, this name means standard output.
+STDOUT = "-"
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout (JSON).")]
 
-EndpointOpt = Annotated[str | None, typer.Option(
-    "--endpoint-url", metavar="URL", help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL).")]
-RegionOpt = Annotated[str | None, typer.Option(
-    "--region", help="S3 region (default: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1).")]
-ProfileOpt = Annotated[str | None, typer.Option("--profile", help="AWS profile (default: AWS_PROFILE).")]
-PathStyleOpt = Annotated[bool | None, typer.Option(
-    "--path-style/--virtual-host",
-    help="S3 addressing (default: path style with a custom endpoint, virtual-host on AWS).")]
-RetriesOpt = Annotated[int, typer.Option("--retries", min=1, help="Attempts per S3 request before giving up.")]
+EndpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--endpoint-url",
+        metavar="URL",
+        help="S3 endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL).",
+    ),
+]
+RegionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--region",
+        metavar="REGION",
+        help="S3 region (default: AWS_REGION / AWS_DEFAULT_REGION / profile, else us-east-1).",
+    ),
+]
+ProfileOpt = Annotated[
+    str | None, typer.Option("--profile", metavar="PROFILE", help="AWS profile (default: AWS_PROFILE).")
+]
+PathStyleOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--path-style/--virtual-host",
+        help="S3 addressing (default: path style with a custom endpoint, virtual-host on AWS).",
+    ),
+]
+RetriesOpt = Annotated[
+    int,
+    typer.Option(
+        "--retries", metavar="N", min=1, help="Attempts per S3 request, the first included, before giving up."
+    ),
+]
 
 
-def s3_options(endpoint_url: str | None, region: str | None, profile: str | None, path_style: bool | None,
-               retries: int = 3) -> S3Options:
+def s3_options(
+    endpoint_url: str | None,
+    region: str | None,
+    profile: str | None,
+    path_style: bool | None,
+    retries: int = DEFAULT_RETRIES,
+) -> S3Options:
     """The S3 settings of a command. The endpoint (flag, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is
     checked here, so a malformed one is a one-line usage error before anything runs, and it is passed on
     without user info: nothing later (errors, reports, JSON) can show a password typed into it."""
     raw = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
     endpoint = check_endpoint_url(raw) if raw else None
     if raw and "@" in urlsplit(raw).netloc:
-        log.warning("ignoring the user:password in the endpoint URL: S3 requests are signed with the AWS "
-                    "credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE), never with these")
-    return S3Options(endpoint_url=endpoint, region=region, profile=profile, path_style=path_style,
-                     max_attempts=retries)
+        log.warning(
+            "ignoring the user:password in the endpoint URL: S3 requests are signed with the AWS "
+            "credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE), never with these"
+        )
+    return S3Options(endpoint_url=endpoint, region=region, profile=profile, path_style=path_style, max_attempts=retries)

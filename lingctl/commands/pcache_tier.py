@@ -7,7 +7,17 @@ from typing import Annotated, Any
 
 import typer
 
-from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, RetriesOpt, s3_options
+from lingctl.commands.options import (
+    DEFAULT_RETRIES,
+    EndpointOpt,
+    JsonOpt,
+    PathStyleOpt,
+    ProfileOpt,
+    RegionOpt,
+    RetriesOpt,
+    VerifyMode,
+    s3_options,
+)
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.units import format_size
@@ -15,11 +25,20 @@ from lingctl.core.units import format_size
 
 def status(
     path: Annotated[Path, typer.Argument(help="A checkpoint directory, or a cache directory holding checkpoints.")],
-    remote: Annotated[str | None, typer.Option(
-        "--remote", metavar="URL",
-        help="Where PATH is uploaded (default: what each checkpoint's last upload recorded).")] = None,
-    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
-    path_style: PathStyleOpt = None, retries: RetriesOpt = 3, json: JsonOpt = False,
+    remote: Annotated[
+        str | None,
+        typer.Option(
+            "--remote",
+            metavar="URL",
+            help="Where PATH is uploaded (default: what each checkpoint's last upload recorded).",
+        ),
+    ] = None,
+    endpoint_url: EndpointOpt = None,
+    region: RegionOpt = None,
+    profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None,
+    retries: RetriesOpt = DEFAULT_RETRIES,
+    json: JsonOpt = False,
 ) -> None:
     """Show each checkpoint's state: incomplete, local-only, uploading, durable or upload-failed.
 
@@ -51,20 +70,29 @@ def status(
     if failed:
         first = failed[0]
         why = f": {first.problems[0]}" if first.problems else ""
-        raise LingctlError(f"{len(failed)} checkpoint upload(s) failed; first: {first.name}{why}",
-                           hint=f"lingctl pcache upload {first.local_dir} --to {first.remote or 'URL'}")
+        raise LingctlError(
+            f"{len(failed)} checkpoint upload(s) failed; first: {first.name}{why}",
+            hint=f"lingctl pcache upload {first.local_dir} --to {first.remote or 'URL'}",
+        )
 
 
 def upload(
     path: Annotated[Path, typer.Argument(help="One checkpoint directory (complete: it holds pcache.json).")],
-    to: Annotated[str | None, typer.Option(
-        "--to", metavar="URL", help="Destination (default: the one its last upload recorded).")] = None,
-    verify: Annotated[str, typer.Option("--verify", metavar="MODE", help="Check local files before and copies after: "
-                                                         "none, sampled or full.")] = "full",
-    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS",
-                                           help="How long to wait for files other nodes upload.")] = 60.0,
-    endpoint_url: EndpointOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
-    path_style: PathStyleOpt = None, retries: RetriesOpt = 8, json: JsonOpt = False,
+    to: Annotated[
+        str | None, typer.Option("--to", metavar="URL", help="Destination (default: the one its last upload recorded).")
+    ] = None,
+    verify: Annotated[
+        VerifyMode, typer.Option("--verify", help="Check local files before and copies after: none, sampled or full.")
+    ] = "full",
+    timeout: Annotated[
+        float, typer.Option("--timeout", metavar="SECONDS", help="How long to wait for files other nodes upload.")
+    ] = 60.0,
+    endpoint_url: EndpointOpt = None,
+    region: RegionOpt = None,
+    profile: ProfileOpt = None,
+    path_style: PathStyleOpt = None,
+    retries: RetriesOpt = DEFAULT_RETRIES,
+    json: JsonOpt = False,
 ) -> None:
     """Upload a checkpoint, or finish an interrupted one, as its coordinator: files first, marker last.
 
@@ -78,7 +106,17 @@ def upload(
     remote = to or tier.recorded_remote(path)
     if remote is None:
         raise UsageError(f"no destination for {path}: it was never uploaded", hint="give --to URL")
-    r = tier.upload(path, remote, s3_options(endpoint_url, region, profile, path_style, retries), rank=None,
-                    finalize=True, verify=verify, timeout_s=timeout)
-    out.result(to_jsonable(r), f"{r.local_dir} -> {r.remote}: durable; copied {r.copied} file(s) "
-                               f"({format_size(r.copied_bytes)}), {r.skipped} already there; {r.seconds:.1f} s")
+    r = tier.upload(
+        path,
+        remote,
+        s3_options(endpoint_url, region, profile, path_style, retries),
+        rank=None,
+        finalize=True,
+        verify=verify,
+        timeout_s=timeout,
+    )
+    out.result(
+        to_jsonable(r),
+        f"{r.local_dir} -> {r.remote}: durable; copied {r.copied} file(s) "
+        f"({format_size(r.copied_bytes)}), {r.skipped} already there; {r.seconds:.1f} s",
+    )

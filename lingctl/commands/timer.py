@@ -2,27 +2,50 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from lingctl.commands.options import JsonOpt
+from lingctl.commands.options import STDOUT, JsonOpt
 from lingctl.core.errors import NotFoundError, UsageError
 from lingctl.core.output import Output
 
-app = typer.Typer(help="Trace training processes cheaply: step breakdown, live attach, hang and straggler "
-                       "diagnosis, timeline export.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from lingctl.timer.diagnose import Diagnosis
+
+app = typer.Typer(
+    help="Trace training processes cheaply: step breakdown, live attach, hang and straggler "
+    "diagnosis, timeline export.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
 
-@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# Options end at CMD's first word, so `timer run python train.py -v` passes -v to CMD, not to lingctl.
+@app.command(
+    "run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+)
 def run(
     ctx: typer.Context,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Trace directory (default: timer-TIMESTAMP).")] = None,
-    trace: Annotated[str | None, typer.Option(
-        "--trace", metavar="SPEC", help="What to trace: comma list of collectives, p2p, optimizer, data, forward, "
-                                        "backward, copy; '-name' removes one (default: all).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", metavar="DIR", help="Trace directory (default: timer-TIMESTAMP).")
+    ] = None,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            metavar="SPEC",
+            help="What to trace: comma list of collectives, p2p, optimizer, data, forward, "
+            "backward, copy; '-name' removes one (default: all).",
+        ),
+    ] = None,
 ) -> None:
     """Run CMD (after --) with every Python process it starts traced; exits with CMD's exit code."""
     from lingctl.timer.launch import run_traced
@@ -30,6 +53,11 @@ def run(
 
     if not ctx.args:
         raise UsageError("no command to run", hint="lingctl timer run --out DIR -- python train.py ...")
+    if out is not None and str(out) == STDOUT:
+        raise UsageError(
+            "--out is a trace directory; it cannot be standard output ('-')",
+            hint="lingctl timer run --out DIR -- CMD ...",
+        )
     try:
         parse_targets(trace)
     except ValueError as err:
@@ -40,11 +68,13 @@ def run(
 
 @app.command("attach")
 def attach(
-    pid: Annotated[int, typer.Option("--pid", "-p", help="The process to look at.")],
+    pid: Annotated[int, typer.Option("--pid", "-p", metavar="PID", help="The process to look at.")],
     once: Annotated[bool, typer.Option("--once", help="One snapshot, then exit.")] = False,
-    interval: Annotated[float, typer.Option("--interval", "-i", min=0.1, help="Seconds between refreshes.")] = 2.0,
+    interval: Annotated[
+        float, typer.Option("--interval", "-i", metavar="SECONDS", min=0.1, help="Seconds between refreshes.")
+    ] = 2.0,
     stacks: Annotated[bool, typer.Option("--stacks", help="Include the Python stacks of every thread.")] = False,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps the breakdown averages over.")] = 20,
+    steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Steps the breakdown averages over.")] = 20,
     json: JsonOpt = False,
 ) -> None:
     """Watch one process: step time breakdown, what it is inside now, CPU/memory/GPU, stacks.
@@ -92,10 +122,13 @@ def attach(
 @app.command("diagnose")
 def diagnose(
     trace_dir: Annotated[Path | None, typer.Argument(metavar="DIR", help="Trace directory of the job.")] = None,
-    pids: Annotated[str | None, typer.Option("--pids", metavar="PID,...", help="Traced processes of the job "
-                                                                                "(instead of DIR).")] = None,
-    hang_after: Annotated[float, typer.Option(
-        "--hang-after", metavar="S", min=0.0, help="Seconds in one collective that count as a hang.")] = 5.0,
+    pids: Annotated[
+        str | None, typer.Option("--pids", metavar="PID,...", help="Traced processes of the job (instead of DIR).")
+    ] = None,
+    hang_after: Annotated[
+        float,
+        typer.Option("--hang-after", metavar="S", min=0.0, help="Seconds in one collective that count as a hang."),
+    ] = 5.0,
     stacks: Annotated[bool, typer.Option("--stacks/--no-stacks", help="Ask stuck ranks for their stacks.")] = True,
     json: JsonOpt = False,
 ) -> None:
@@ -118,17 +151,75 @@ def diagnose(
         if not pid_list:
             raise UsageError("--pids is empty")
     d = run_diagnosis(trace_dir, pid_list, hang_after_s=hang_after, stacks=stacks)
-    Output(json).result(d.to_json(), d.render())
+    Output(json).result(d.to_json(), lambda console: _render_diagnosis(d, console))
+
+
+def _render_diagnosis(d: Diagnosis, console: Console) -> None:
+    """The verdict, then each rank's step breakdown (the ``breakdown`` of the JSON): mean seconds per step
+    and the share of each part, so the numbers behind a straggler verdict are on screen."""
+    console.print(d.render(), markup=False)
+    rows = [(r.rank, r.breakdown) for r in d.ranks if r.breakdown.get("steps")]
+    if not rows:
+        return
+    from rich.table import Table
+
+    parts = list(dict.fromkeys(name for _, b in rows for name in b["parts_s"]))
+    table = Table(
+        title="step breakdown (mean ms per step, share of the step)", title_justify="left", box=None, pad_edge=False
+    )
+    for column in ("rank", "steps", "step", *parts):
+        table.add_column(column, justify="left" if column == "rank" else "right")
+    for rank, b in rows:
+        step_s = b["step_time_s"]["mean"] or 0.0
+        cells = []
+        for name in parts:
+            mean = (b["parts_s"].get(name) or {}).get("mean") or 0.0
+            cells.append(f"{mean * 1e3:.1f} ({mean / step_s:.0%})" if step_s > 0 else f"{mean * 1e3:.1f}")
+        table.add_row(str(rank), str(b["steps"]), f"{step_s * 1e3:.1f}", *cells)
+    console.print(table)
 
 
 @app.command("export")
 def export(
     trace_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Trace directory of the job.")],
-    dest: Annotated[Path, typer.Option("--output", "-o", help="Chrome trace / Perfetto JSON file to write.")],
+    dest: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            metavar="FILE",
+            help="Chrome trace / Perfetto JSON file to write; '-': standard output "
+            "(the summary then goes to stderr).  [required]",
+        ),
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", hidden=True, help="Old name of --out.")] = None,
     json: JsonOpt = False,
 ) -> None:
     """All ranks on one timeline in a Chrome trace (open it in ui.perfetto.dev or chrome://tracing)."""
     from lingctl.timer.export import export_chrome
 
-    n = export_chrome(trace_dir, dest)
-    Output(json).result({"path": dest, "events": n}, f"wrote {n} events to {dest}")
+    if dest is not None and output is not None:
+        raise UsageError("--out and --output are the same option; give it once")
+    dest = dest if dest is not None else output
+    if dest is None:
+        raise UsageError("missing option '--out'", hint="lingctl timer export DIR --out trace.json")
+    if str(dest) != STDOUT:
+        n = export_chrome(trace_dir, dest)
+        Output(json).result({"path": dest, "events": n}, f"wrote {n} events to {dest}")
+        return
+    with tempfile.TemporaryDirectory(prefix="lingctl-export-") as scratch:
+        tmp = Path(scratch) / "trace.json"
+        n = export_chrome(trace_dir, tmp)
+        with open(tmp, "rb") as f:
+            shutil.copyfileobj(f, _binary_stdout())
+        sys.stdout.flush()
+    # stdout holds the trace; the summary must not be mixed into it.
+    Output(json, stdout=sys.stderr).result({"path": "stdout", "events": n}, f"wrote {n} events to stdout")
+
+
+def _binary_stdout() -> Any:
+    stream = getattr(sys.stdout, "buffer", None)
+    if stream is None:  # a text-only stdout (a test's capture)
+        raise UsageError("standard output does not take bytes here; write to a file with --out FILE")
+    sys.stdout.flush()
+    return stream

@@ -31,8 +31,9 @@ TMP_MARKER = ".lingctl-tmp-"
 # near NAME_MAX (255) still gets a temporary file (the marker, host, pid and random part add ~40 bytes).
 _STEM_BYTES = 180
 # host (6 hex) - pid - 8 characters of mkstemp's or uuid's alphabet, at the very end of the name.
-_TMP_RE = re.compile(r"^\..*" + re.escape(TMP_MARKER) + r"(?P<host>[0-9a-f]{6})-(?P<pid>[1-9][0-9]{0,9})-[a-z0-9_]{8}$",
-                     re.DOTALL)
+_TMP_RE = re.compile(
+    r"^\..*" + re.escape(TMP_MARKER) + r"(?P<host>[0-9a-f]{6})-(?P<pid>[1-9][0-9]{0,9})-[a-z0-9_]{8}$", re.DOTALL
+)
 # A temporary file of another machine (a shared file system) is removed only once it is this old: its
 # owner cannot be asked whether it is alive. Writes at offsets keep a file in progress fresh.
 FOREIGN_STALE_S = 24 * 3600.0
@@ -159,8 +160,9 @@ def commit_tmp(tmp: Path, target: Path, *, mtime: float | None = None, mtime_ns:
 
 
 @contextmanager
-def atomic_write(path: Path, *, mtime: float | None = None,
-                 mtime_ns: int | None = None) -> Iterator[tuple[Path, BinaryIO]]:
+def atomic_write(
+    path: Path, *, mtime: float | None = None, mtime_ns: int | None = None
+) -> Iterator[tuple[Path, BinaryIO]]:
     """Yield ``(tmp_path, file)``; on clean exit the file replaces ``path`` (with ``mtime``, when given), on
     an exception it is removed.
 

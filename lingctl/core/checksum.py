@@ -42,7 +42,7 @@ class Crc64:
         self.value = _crt().crc64nvme(data, self.value)
         self.length += len(data)
 
-    def extend(self, other: "Crc64") -> None:
+    def extend(self, other: Crc64) -> None:
         """Append the CRC of the bytes that follow (a later part computed elsewhere, in parallel)."""
         self.value = _crt().combine_crc64nvme(self.value, other.value, other.length)
         self.length += other.length

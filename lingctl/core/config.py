@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lingctl.core.errors import NotFoundError, UsageError
 
@@ -24,7 +24,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def load_toml(path: str | Path, section: str | None = None) -> dict[str, Any]:
@@ -61,8 +64,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def build(cls: type[T], *, file: str | Path | None = None, section: str | None = None,
-          overrides: Mapping[str, Any] | None = None) -> T:
+def build(
+    cls: type[T],
+    *,
+    file: str | Path | None = None,
+    section: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
     """``cls`` from ``file`` (its ``section``) with ``overrides`` on top. Overrides whose value is None are
     ignored, so unset command-line options do not mask the file. Keys may be dotted for nested configs."""
     data: dict[str, Any] = load_toml(file, section) if file is not None else {}
@@ -93,8 +101,9 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "setting
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise UsageError(f"{where}: unknown setting {_join(path, unknown[0])!r}",
-                         hint=f"known settings: {', '.join(sorted(fields))}")
+        raise UsageError(
+            f"{where}: unknown setting {_join(path, unknown[0])!r}", hint=f"known settings: {', '.join(sorted(fields))}"
+        )
     kwargs: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
@@ -123,8 +132,14 @@ def _join(path: str, name: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a table"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
 
 
 def _coerce(value: Any, tp: Any, where: str, path: str) -> Any:
@@ -150,7 +165,7 @@ def _coerce(value: Any, tp: Any, where: str, path: str) -> Any:
         if value not in args:
             raise bad("one of " + ", ".join(repr(a) for a in args))
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_mapping(tp, value, where=where, path=path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
@@ -214,5 +229,11 @@ def _coerce(value: Any, tp: Any, where: str, path: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path",
-            type(None): "empty"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        Path: "a path",
+        type(None): "empty",
+    }.get(tp, getattr(tp, "__name__", str(tp)))

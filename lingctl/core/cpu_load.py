@@ -167,8 +167,13 @@ def load_between(a: LoadSample, b: LoadSample, budget: CpuBudget) -> CpuLoad:
     cap = float(len(budget.cpus))
     busy = min(max(busy, 0.0), cap)
     own = min(max(own, 0.0), cap)
-    return CpuLoad(window_s=window, usable_cores=budget.usable_cores, busy_cores=busy, own_cores=own,
-                   others_cores=max(0.0, busy - own))
+    return CpuLoad(
+        window_s=window,
+        usable_cores=budget.usable_cores,
+        busy_cores=busy,
+        own_cores=own,
+        others_cores=max(0.0, busy - own),
+    )
 
 
 def measure(window_s: float = 0.3, budget: CpuBudget | None = None) -> CpuLoad | None:
@@ -212,5 +217,7 @@ def cores_text(load: CpuLoad | None) -> str:
     """One line for logs: what was measured."""
     if load is None:
         return "CPU load not measurable here"
-    return (f"{load.usable_cores:g} usable cores, others use {load.others_cores:.2f}, this process "
-            f"{load.own_cores:.2f} (over {load.window_s:.2f} s)")
+    return (
+        f"{load.usable_cores:g} usable cores, others use {load.others_cores:.2f}, this process "
+        f"{load.own_cores:.2f} (over {load.window_s:.2f} s)"
+    )

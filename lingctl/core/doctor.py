@@ -37,7 +37,7 @@ class Check:
     error: LingctlError | None = None  # kept for the exit code; not part of the JSON
 
     def to_json(self) -> dict[str, Any]:
-        out = {"name": self.name, "status": self.status, "detail": self.detail, "data": self.data}
+        out: dict[str, Any] = {"name": self.name, "status": self.status, "detail": self.detail, "data": self.data}
         if self.error is not None:
             out["exit_code"] = self.error.exit_code
         return out
@@ -72,8 +72,12 @@ class DoctorReport:
     def to_json(self) -> dict[str, Any]:
         from lingctl.core.output import to_jsonable
 
-        return {"lingctl": self.lingctl, "ok": self.first_error is None,
-                "checks": [c.to_json() for c in self.checks], "probe": to_jsonable(self.probe)}
+        return {
+            "lingctl": self.lingctl,
+            "ok": self.first_error is None,
+            "checks": [c.to_json() for c in self.checks],
+            "probe": to_jsonable(self.probe),
+        }
 
 
 def _gib(n: float) -> float:
@@ -82,8 +86,12 @@ def _gib(n: float) -> float:
 
 def check_python() -> Check:
     ok = sys.version_info >= (3, 10)
-    return Check("python", "ok" if ok else "fail", f"{platform.python_version()} ({sys.executable})",
-                 {"version": platform.python_version(), "executable": sys.executable, "platform": platform.platform()})
+    return Check(
+        "python",
+        "ok" if ok else "fail",
+        f"{platform.python_version()} ({sys.executable})",
+        {"version": platform.python_version(), "executable": sys.executable, "platform": platform.platform()},
+    )
 
 
 def check_torch() -> Check:
@@ -91,10 +99,14 @@ def check_torch() -> Check:
         import torch
     except Exception as exc:  # a broken install is exactly what doctor must report, not crash on
         return Check("torch", "fail", f"cannot import torch: {exc}", error=LingctlError(f"cannot import torch: {exc}"))
-    data: dict[str, Any] = {"version": torch.__version__, "cuda": torch.cuda.is_available(),
-                            "cuda_version": torch.version.cuda, "threads": torch.get_num_threads(),
-                            "distributed": torch.distributed.is_available()}
-    devices = []
+    data: dict[str, Any] = {
+        "version": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        "distributed": torch.distributed.is_available(),
+    }
+    devices: list[dict[str, Any]] = []
     if data["cuda"]:
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
@@ -120,8 +132,15 @@ def check_nvml() -> Check:
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             util = pynvml.nvmlDeviceGetUtilizationRates(h)
-            gpus.append({"index": i, "name": pynvml.nvmlDeviceGetName(h), "memory_gib": _gib(mem.total),
-                         "memory_used_gib": _gib(mem.used), "utilization_pct": util.gpu})
+            gpus.append(
+                {
+                    "index": i,
+                    "name": pynvml.nvmlDeviceGetName(h),
+                    "memory_gib": _gib(mem.total),
+                    "memory_used_gib": _gib(mem.used),
+                    "utilization_pct": util.gpu,
+                }
+            )
     finally:
         pynvml.nvmlShutdown()
     return Check("gpu", "ok", f"driver {driver}, {len(gpus)} GPU(s)", {"driver": driver, "gpus": gpus})
@@ -131,11 +150,20 @@ def check_cpu_memory() -> Check:
     import psutil
 
     vm = psutil.virtual_memory()
-    data = {"logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "memory_gib": _gib(vm.total), "memory_available_gib": _gib(vm.available)}
-    return Check("cpu", "ok", f"{data['usable_cores']} usable cores, {data['memory_gib']} GiB memory "
-                 f"({data['memory_available_gib']} GiB available)", data)
+    data = {
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": _gib(vm.total),
+        "memory_available_gib": _gib(vm.available),
+    }
+    return Check(
+        "cpu",
+        "ok",
+        f"{data['usable_cores']} usable cores, {data['memory_gib']} GiB memory "
+        f"({data['memory_available_gib']} GiB available)",
+        data,
+    )
 
 
 def check_disk(path: Path) -> Check:
@@ -177,10 +205,12 @@ def check_s3_endpoint(options: S3Options) -> Check:
         try:
             endpoint = options.resolved_endpoint()
         except ValueError:  # urllib's own complaint (an unclosed '[') may quote the URL: say it ourselves
-            raise UsageError("invalid endpoint URL: malformed host or port",
-                             hint="write it as http(s)://host[:port]") from None
-        if endpoint is None and not (options.profile or os.environ.get("AWS_ACCESS_KEY_ID")
-                                     or os.environ.get("AWS_PROFILE")):
+            raise UsageError(
+                "invalid endpoint URL: malformed host or port", hint="write it as http(s)://host[:port]"
+            ) from None
+        if endpoint is None and not (
+            options.profile or os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")
+        ):
             return Check("s3", "skip", "no endpoint or credentials configured (--endpoint-url, AWS_ENDPOINT_URL)")
         import boto3
         import botocore.exceptions
@@ -198,16 +228,21 @@ def check_s3_endpoint(options: S3Options) -> Check:
         except LingctlError as exc:
             if creds is None and isinstance(exc.__cause__, botocore.exceptions.ClientError):
                 # The endpoint answered, and refused an anonymous request.
-                raise AccessDeniedError(f"no S3 credentials found for {where}",
-                                        hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from exc
+                raise AccessDeniedError(
+                    f"no S3 credentials found for {where}",
+                    hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+                ) from exc
             raise
         ms = (time.perf_counter() - start) * 1000
     except LingctlError as err:
         return _failed("s3", err)
     source = creds.method if creds is not None else "anonymous"
-    return Check("s3", "ok", f"{where} answered in {ms:.0f} ms, {len(buckets)} bucket(s) visible "
-                 f"(credentials from {source})",
-                 {"endpoint": where, "buckets": len(buckets), "latency_ms": round(ms, 1), "credentials": source})
+    return Check(
+        "s3",
+        "ok",
+        f"{where} answered in {ms:.0f} ms, {len(buckets)} bucket(s) visible (credentials from {source})",
+        {"endpoint": where, "buckets": len(buckets), "latency_ms": round(ms, 1), "credentials": source},
+    )
 
 
 def probe_store(store: ObjectStore, size: int) -> ProbeResult:
@@ -235,16 +270,19 @@ def probe_store(store: ObjectStore, size: int) -> ProbeResult:
         steps[-1].detail = f"{size} bytes, {rate(steps[-1].seconds)}"
         listed = timed("list", lambda: [o for o in store.list(key.rsplit("/", 1)[0] + "/")])
         if [(o.key, o.size) for o in listed] != [(key, size)]:
-            raise VerificationError(f"listing of {store.describe()} shows {[(o.key, o.size) for o in listed]}, "
-                                    f"expected [({key!r}, {size})]")
+            raise VerificationError(
+                f"listing of {store.describe()} shows {[(o.key, o.size) for o in listed]}, expected [({key!r}, {size})]"
+            )
         steps[-1].detail = f"found {key} ({size} bytes)"
         data = timed("get", lambda: store.read(key))
         steps[-1].detail = rate(steps[-1].seconds)
         got = crc64_bytes(data).tagged()
         recorded = timed("verify", lambda: store.checksum(key))
         if data != payload or got != expected or recorded not in (None, expected):
-            raise VerificationError(f"probe object in {store.describe()} came back different: sent {expected}, "
-                                    f"received {got}, store records {recorded}")
+            raise VerificationError(
+                f"probe object in {store.describe()} came back different: sent {expected}, "
+                f"received {got}, store records {recorded}"
+            )
         steps[-1].detail = f"{expected} matches (store records {recorded or 'no checksum'})"
         with tempfile.TemporaryDirectory(prefix="lingctl-doctor-") as tmp:
             timed("download", lambda: store.download(key, Path(tmp) / "probe.bin"))
@@ -264,9 +302,18 @@ def probe_store(store: ObjectStore, size: int) -> ProbeResult:
     return ProbeResult(url=str(store.url), size=size, steps=steps, checksum=expected, verified=True)
 
 
-def run_doctor(*, s3: S3Options, disk_path: Path, probe_url: str | None = None, probe_size: int = 8 << 20) -> DoctorReport:
-    checks = [check_python(), check_torch(), check_nvml(), check_cpu_memory(), check_disk(disk_path), check_rclone(),
-              check_s3_endpoint(s3)]
+def run_doctor(
+    *, s3: S3Options, disk_path: Path, probe_url: str | None = None, probe_size: int = 8 << 20
+) -> DoctorReport:
+    checks = [
+        check_python(),
+        check_torch(),
+        check_nvml(),
+        check_cpu_memory(),
+        check_disk(disk_path),
+        check_rclone(),
+        check_s3_endpoint(s3),
+    ]
     from lingctl import __version__
 
     report = DoctorReport(lingctl=__version__, checks=checks)

@@ -86,7 +86,8 @@ def os_error(exc: OSError, what: str) -> LingctlError:
         return UsageError(f"{what}: {reason}")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         # Not retryable as it stands: the same write fails until space is freed or the limit raised.
-        return DiskFullError(f"{what}: {reason}",
-                             hint="free space (or raise the file-size limit) and run the same command again; "
-                                  "finished work is kept")
+        return DiskFullError(
+            f"{what}: {reason}",
+            hint="free space (or raise the file-size limit) and run the same command again; finished work is kept",
+        )
     return LingctlError(f"{what}: {reason}")

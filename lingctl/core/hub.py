@@ -40,8 +40,16 @@ from typing import Any
 from lingctl.core.errors import AccessDeniedError, LingctlError, NotFoundError, os_error
 
 # What a model directory is made of (lingctl.flood.model_dir, lingctl.model.checkpoint): downloading stops there.
-MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 # Files in sub-folders (``original/``, ``onnx/``...) are other formats of the same model; the reader ignores them.
 SKIP_FILES = ("*/*",)
 DEFAULT_REVISION = "main"
@@ -98,8 +106,10 @@ def resolve_model_dir(spec: str | Path, *, option: str = "--model") -> Path:
         return path
     hub_id = parse_repo_id(str(spec))
     if hub_id is None:
-        raise NotFoundError(f"{option} {spec}: no such directory, nor a Hugging Face model id",
-                            hint="give a checkpoint directory or a model id ORG/NAME[@REVISION]")
+        raise NotFoundError(
+            f"{option} {spec}: no such directory, nor a Hugging Face model id",
+            hint="give a checkpoint directory or a model id ORG/NAME[@REVISION]",
+        )
     return _snapshot(hub_id, option)
 
 
@@ -108,8 +118,7 @@ def hub_cache_dir() -> Path:
     """The Hugging Face hub cache in the order huggingface_hub reads it: ``HF_HUB_CACHE``, the older
     ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME/hub``, ``XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/huggingface/hub``."""
     env = os.environ
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
-                                              "huggingface")
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
     cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
     return Path(os.path.expandvars(os.path.expanduser(cache)))
 
@@ -138,8 +147,10 @@ def _snapshot(hub_id: HubId, option: str) -> Path:
     try:
         from huggingface_hub import snapshot_download  # lazy: most commands never need it
     except ImportError:
-        raise LingctlError(f"{option} {hub_id} reads as a Hugging Face model id, but huggingface_hub is not "
-                           f"installed", hint="pip install huggingface_hub, or give a local directory") from None
+        raise LingctlError(
+            f"{option} {hub_id} reads as a Hugging Face model id, but huggingface_hub is not installed",
+            hint="pip install huggingface_hub, or give a local directory",
+        ) from None
     repo_id, revision = hub_id.repo_id, hub_id.revision or DEFAULT_REVISION
     cache = hub_cache_dir()
     where = f"{option} {repo_id}@{revision}"
@@ -155,15 +166,17 @@ def _snapshot(hub_id: HubId, option: str) -> Path:
     else:
         problem = _ask_hub(repo_id, revision)
         if problem is None:
-            return _checked(_download(snapshot_download, repo_id, revision, cache, where, local_only=False),
-                            where, get)
+            return _checked(_download(snapshot_download, repo_id, revision, cache, where, local_only=False), where, get)
         kind, exc = problem
         if kind == "revision":
             raise _hub_error(kind, exc, where, revision, repo_id)
         refused = exc if kind in ("repo", "denied") else None
         status = _status(exc)
-        reason = (f"the Hub at {_endpoint_shown()} answered HTTP {status}" if status is not None
-                  else f"the Hub at {_endpoint_shown()} could not be reached ({_one_line(exc)})")
+        reason = (
+            f"the Hub at {_endpoint_shown()} answered HTTP {status}"
+            if status is not None
+            else f"the Hub at {_endpoint_shown()} could not be reached ({_one_line(exc)})"
+        )
         hint = f"check the network, HF_ENDPOINT and the proxy settings; or download it first: {get}"
     try:
         folder = _download(snapshot_download, repo_id, revision, cache, where, local_only=True)
@@ -171,8 +184,9 @@ def _snapshot(hub_id: HubId, option: str) -> Path:
         if refused is not None:  # not cached, and the Hub said why it will not serve it
             raise _hub_error(_kind(refused), refused, where, revision, repo_id) from None
         state = "incomplete in" if missing.incomplete else "not in"
-        raise NotFoundError(f"{where}: not a local directory, and {state} the Hugging Face cache {cache}; {reason}",
-                            hint=hint) from None
+        raise NotFoundError(
+            f"{where}: not a local directory, and {state} the Hugging Face cache {cache}; {reason}", hint=hint
+        ) from None
     return _checked(folder, where, get)
 
 
@@ -196,13 +210,21 @@ def _ask_hub(repo_id: str, revision: str) -> tuple[str, Exception] | None:
     return None
 
 
-def _download(snapshot_download: Any, repo_id: str, revision: str, cache: Path, where: str, *,
-              local_only: bool) -> Path:
+def _download(
+    snapshot_download: Any, repo_id: str, revision: str, cache: Path, where: str, *, local_only: bool
+) -> Path:
     """``snapshot_download`` of the model files; a snapshot missing from the cache raises ``_NotCached``."""
     try:
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=local_only,
-                                   allow_patterns=list(MODEL_FILES), ignore_patterns=list(SKIP_FILES),
-                                   endpoint=_endpoint(), etag_timeout=_etag_timeout())
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            local_files_only=local_only,
+            allow_patterns=list(MODEL_FILES),
+            ignore_patterns=list(SKIP_FILES),
+            endpoint=_endpoint(),
+            etag_timeout=_etag_timeout(),
+        )
     except Exception as exc:
         kind = _kind(exc)
         if kind == "missing":
@@ -213,27 +235,36 @@ def _download(snapshot_download: Any, repo_id: str, revision: str, cache: Path, 
 
 def _checked(folder: Path, where: str, get: str) -> Path:
     if not (folder / "config.json").is_file():
-        raise NotFoundError(f"{where}: the cached snapshot {folder} has no config.json, so it is not a model "
-                            f"directory", hint=f"download the model again: {get}")
+        raise NotFoundError(
+            f"{where}: the cached snapshot {folder} has no config.json, so it is not a model directory",
+            hint=f"download the model again: {get}",
+        )
     return folder
 
 
 def _hub_error(kind: str, exc: Exception, where: str, revision: str, repo_id: str) -> LingctlError:
     """One line for an exception from huggingface_hub."""
     if kind == "revision":
-        return NotFoundError(f"{where}: the Hub has no revision {revision!r} of {repo_id}",
-                             hint="check the branch, tag or commit after '@'")
+        return NotFoundError(
+            f"{where}: the Hub has no revision {revision!r} of {repo_id}",
+            hint="check the branch, tag or commit after '@'",
+        )
     if kind == "repo":
-        return NotFoundError(f"{where}: not a local directory, and no such model on the Hub at "
-                             f"{_endpoint_shown()} (or it is private or gated)",
-                             hint="check the id; for a private or gated model set HF_TOKEN (or run 'hf auth login')")
+        return NotFoundError(
+            f"{where}: not a local directory, and no such model on the Hub at "
+            f"{_endpoint_shown()} (or it is private or gated)",
+            hint="check the id; for a private or gated model set HF_TOKEN (or run 'hf auth login')",
+        )
     if kind == "denied":
-        return AccessDeniedError(f"{where}: the Hub at {_endpoint_shown()} refused access ({_one_line(exc)})",
-                                 hint="set HF_TOKEN to a token that can read this model")
+        return AccessDeniedError(
+            f"{where}: the Hub at {_endpoint_shown()} refused access ({_one_line(exc)})",
+            hint="set HF_TOKEN to a token that can read this model",
+        )
     if kind == "unreachable":
-        return LingctlError(f"{where}: the Hub at {_endpoint_shown()} could not be reached ({_one_line(exc)})",
-                            hint="check the network, HF_ENDPOINT and the proxy settings, or set HF_HUB_OFFLINE=1 "
-                                 "to use only the cache")
+        return LingctlError(
+            f"{where}: the Hub at {_endpoint_shown()} could not be reached ({_one_line(exc)})",
+            hint="check the network, HF_ENDPOINT and the proxy settings, or set HF_HUB_OFFLINE=1 to use only the cache",
+        )
     if isinstance(exc, OSError) and exc.errno is not None:
         return os_error(exc, f"{where}: {exc.filename or 'the Hugging Face cache'}")
     return LingctlError(f"{where}: {type(exc).__name__}: {_one_line(exc)}")
@@ -251,8 +282,15 @@ def _kind(exc: Exception) -> str:
         return "missing"
     if "HfHubHTTPError" in names:
         return "denied" if _status(exc) in (401, 403) else "unreachable"
-    if names & {"OfflineModeIsEnabled", "ConnectionError", "TimeoutError", "TimeoutException", "TransportError",
-                "RequestError", "RequestException"}:
+    if names & {
+        "OfflineModeIsEnabled",
+        "ConnectionError",
+        "TimeoutError",
+        "TimeoutException",
+        "TransportError",
+        "RequestError",
+        "RequestException",
+    }:
         return "unreachable"
     return "other"
 
@@ -274,4 +312,4 @@ def _endpoint_shown() -> str:
 def _one_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's text, shortened: huggingface_hub's messages span several lines."""
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -49,8 +49,9 @@ class LocalS3Server:
 
 
 @contextmanager
-def serve_s3(root: Path, buckets: Iterable[str] = (), *, log_file: Path | None = None,
-             extra_args: Iterable[str] = ()) -> Iterator[LocalS3Server]:
+def serve_s3(
+    root: Path, buckets: Iterable[str] = (), *, log_file: Path | None = None, extra_args: Iterable[str] = ()
+) -> Iterator[LocalS3Server]:
     """Run ``rclone serve s3`` on 127.0.0.1 with fresh credentials until the block ends; stop it by pid."""
     rclone = find_rclone()
     if rclone is None:
@@ -62,16 +63,28 @@ def serve_s3(root: Path, buckets: Iterable[str] = (), *, log_file: Path | None =
     access_key, secret_key = "lingctl" + secrets.token_hex(6), secrets.token_hex(16)
     port = free_port()
     log_path = log_file or (root.parent / f"rclone-s3-{port}.log")
-    cmd = [rclone, "serve", "s3", "--config", os.devnull, "--auth-key", f"{access_key},{secret_key}",
-           "--addr", f"127.0.0.1:{port}", *extra_args, str(root)]
+    cmd = [
+        rclone,
+        "serve",
+        "s3",
+        "--config",
+        os.devnull,
+        "--auth-key",
+        f"{access_key},{secret_key}",
+        "--addr",
+        f"127.0.0.1:{port}",
+        *extra_args,
+        str(root),
+    ]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         if not wait_for_port("127.0.0.1", port, timeout=15.0, alive=lambda: proc.poll() is None):
             tail = log_path.read_text(errors="replace")[-500:].strip().replace("\n", " | ")
             raise LingctlError(f"rclone serve s3 did not start on port {port}: {tail}")
-        yield LocalS3Server(endpoint=f"http://127.0.0.1:{port}", access_key=access_key, secret_key=secret_key,
-                            root=root, pid=proc.pid)
+        yield LocalS3Server(
+            endpoint=f"http://127.0.0.1:{port}", access_key=access_key, secret_key=secret_key, root=root, pid=proc.pid
+        )
     finally:
         proc.terminate()
         try:

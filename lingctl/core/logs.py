@@ -37,8 +37,8 @@ class _Printable(logging.Filter):
 def setup_logging(level: int = logging.WARNING) -> None:
     """Log to stderr: Rich formatting on a terminal, plain ``lingctl: LEVEL name: message`` lines otherwise."""
     root = logging.getLogger("lingctl")
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for old in list(root.handlers):
+        root.removeHandler(old)
     handler: logging.Handler
     if sys.stderr.isatty():
         from rich.logging import RichHandler

@@ -23,8 +23,6 @@ from functools import cached_property
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, TextIO
 
-from lingctl.core.units import format_size
-
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
@@ -59,8 +57,9 @@ class _NoProgress:
     def advance(self, amount: float = 1) -> None:
         pass
 
-    def update(self, *, total: float | None = None, description: str | None = None,
-               completed: float | None = None) -> None:
+    def update(
+        self, *, total: float | None = None, description: str | None = None, completed: float | None = None
+    ) -> None:
         pass
 
 
@@ -72,8 +71,9 @@ class _Task:
     def advance(self, amount: float = 1) -> None:
         self._progress.advance(self._id, amount)
 
-    def update(self, *, total: float | None = None, description: str | None = None,
-               completed: float | None = None) -> None:
+    def update(
+        self, *, total: float | None = None, description: str | None = None, completed: float | None = None
+    ) -> None:
         kwargs: dict[str, Any] = {}
         if total is not None:
             kwargs["total"] = total
@@ -158,8 +158,15 @@ class Output:
         return self._stderr.isatty()
 
     @contextmanager
-    def progress(self, description: str, total: float | None = None, *, unit: str = "items",
-                 binary_units: bool = False, force: bool = False) -> Iterator[Any]:
+    def progress(
+        self,
+        description: str,
+        total: float | None = None,
+        *,
+        unit: str = "items",
+        binary_units: bool = False,
+        force: bool = False,
+    ) -> Iterator[Any]:
         """A progress bar task with ``advance``/``update``; a no-op stand-in when bars are off.
 
         ``unit="bytes"`` shows sizes and transfer speed (``binary_units``: KiB, MiB, as lingctl's summaries

@@ -31,7 +31,17 @@ def progress_columns(unit: str, binary_units: bool) -> list[ProgressColumn]:
     """Sizes and speed for ``unit="bytes"``, done/total counts for anything else."""
     if unit == "bytes":
         speed = _BinarySpeedColumn() if binary_units else TransferSpeedColumn()
-        return [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=binary_units),
-                speed, TimeRemainingColumn()]
-    return [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-            TimeRemainingColumn()]
+        return [
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=binary_units),
+            speed,
+            TimeRemainingColumn(),
+        ]
+    return [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+    ]

@@ -46,14 +46,16 @@ def check_private_dir(path: Path | str, *, owner: int | None = None, deny: int =
         raise os_error(exc, str(path)) from exc
     hint = f"remove {path} (it is not lingctl's) or set TMPDIR to a directory of your own"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise AccessDeniedError(f"{path} is not a directory (a link or a file is in its place); refusing to use it",
-                                hint=hint)
+        raise AccessDeniedError(
+            f"{path} is not a directory (a link or a file is in its place); refusing to use it", hint=hint
+        )
     if st.st_uid != uid:
-        raise AccessDeniedError(f"{path} belongs to uid {st.st_uid}, not to uid {uid}; refusing to use it",
-                                hint=hint)
+        raise AccessDeniedError(f"{path} belongs to uid {st.st_uid}, not to uid {uid}; refusing to use it", hint=hint)
     if stat.S_IMODE(st.st_mode) & deny:
-        raise AccessDeniedError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                "refusing to use it", hint=f"chmod 700 {path}")
+        raise AccessDeniedError(
+            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); refusing to use it",
+            hint=f"chmod 700 {path}",
+        )
 
 
 def open_nofollow(path: Path | str, flags: int, mode: int = 0o600) -> int:

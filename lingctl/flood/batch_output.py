@@ -33,8 +33,10 @@ _TIMESTAMP_KEYS = frozenset({"created", "updated"})
 _OVERWRITE_HINT = "pass --resume to continue it, or choose another -o"
 _MISMATCH_HINT = "rerun with the settings of that run, or choose another -o"
 # Manifest keys whose mismatch has a more specific next step than _MISMATCH_HINT.
-_KEY_HINTS = {"chat_template_sha256": "the chat template differs: pass the --chat-template of that run (or none, "
-                                      "for the model's own), or choose another -o"}
+_KEY_HINTS = {
+    "chat_template_sha256": "the chat template differs: pass the --chat-template of that run (or none, "
+    "for the model's own), or choose another -o"
+}
 _SHOW_CHARS = 40
 _ABSENT = object()
 _BLANK: dict[str, Any] = {}  # the record of a blank line: kept, answers nothing
@@ -125,8 +127,10 @@ class BatchOutput:
             _scan(self.out, self.state, errors_file=False)
             _scan(self.errors, self.state, errors_file=True)
         elif resume and (_has_content(self.out) or _has_content(self.errors)):
-            raise UsageError(f"{self.out} has no manifest ({self.manifest_path.name}), so nothing tells which run "
-                             f"wrote it", hint="choose another -o, or move the old output away")
+            raise UsageError(
+                f"{self.out} has no manifest ({self.manifest_path.name}), so nothing tells which run wrote it",
+                hint="choose another -o, or move the old output away",
+            )
         else:
             with atomic_write(self.manifest_path) as (_, f):
                 f.write(json.dumps(manifest, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
@@ -140,21 +144,36 @@ class BatchOutput:
 
     def write_result(self, custom_id: str, body: dict[str, Any]) -> None:
         """A finished request; ``body`` is the completion or chat completion object."""
-        self._out.write({"id": _new_id(), "custom_id": custom_id,
-                         "response": {"status_code": 200, "request_id": secrets.token_hex(16), "body": body},
-                         "error": None})
+        self._out.write(
+            {
+                "id": _new_id(),
+                "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": secrets.token_hex(16), "body": body},
+                "error": None,
+            }
+        )
 
-    def write_error(self, *, custom_id: str | None, line: int | None, code: str, message: str,
-                    status_code: int | None = 400) -> None:
+    def write_error(
+        self, *, custom_id: str | None, line: int | None, code: str, message: str, status_code: int | None = 400
+    ) -> None:
         """A failed request. ``line``: its batch-file line, for errors found reading the file.
         ``status_code`` None: the line could not be parsed into a request, so there is no response."""
         response = None
         if status_code is not None:
             kind = "invalid_request_error" if status_code < 500 else "server_error"
-            response = {"status_code": status_code, "request_id": secrets.token_hex(16),
-                        "body": {"error": {"message": message, "type": kind, "code": code}}}
-        self._errors.write({"id": _new_id(), "custom_id": custom_id, "response": response,
-                            "error": {"code": code, "message": message, "line": line}})
+            response = {
+                "status_code": status_code,
+                "request_id": secrets.token_hex(16),
+                "body": {"error": {"message": message, "type": kind, "code": code}},
+            }
+        self._errors.write(
+            {
+                "id": _new_id(),
+                "custom_id": custom_id,
+                "response": response,
+                "error": {"code": code, "message": message, "line": line},
+            }
+        )
 
     def close(self) -> None:
         try:
@@ -186,11 +205,15 @@ class BatchOutput:
             before, now = saved.get(key, _ABSENT), wanted.get(key, _ABSENT)
             if before is _ABSENT and now is not _ABSENT:
                 # Written by an older lingctl that did not record it: nothing shows this run matches.
-                raise UsageError(f"{self.out} was written without {key} in its manifest, so this run cannot "
-                                 f"check that it matches", hint="choose another -o")
+                raise UsageError(
+                    f"{self.out} was written without {key} in its manifest, so this run cannot check that it matches",
+                    hint="choose another -o",
+                )
             if before != now:
-                raise UsageError(f"{self.out} was written with {key}={_show(before)}, this run has {_show(now)}",
-                                 hint=_KEY_HINTS.get(key, _MISMATCH_HINT))
+                raise UsageError(
+                    f"{self.out} was written with {key}={_show(before)}, this run has {_show(now)}",
+                    hint=_KEY_HINTS.get(key, _MISMATCH_HINT),
+                )
 
 
 def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
@@ -206,8 +229,10 @@ def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
         bad_line = 0  # number of an unreadable line; fatal unless it is the last one
         for number, raw in enumerate(f, start=1):
             if bad_line:
-                raise VerificationError(f"{path}: line {bad_line} is not a complete JSON record, so the requests "
-                                        f"it answered are unknown", hint="fix or remove that line, then resume")
+                raise VerificationError(
+                    f"{path}: line {bad_line} is not a complete JSON record, so the requests it answered are unknown",
+                    hint="fix or remove that line, then resume",
+                )
             end += len(raw)
             record = _record(raw)
             if record is None:
@@ -224,7 +249,6 @@ def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
                 raise os_error(exc, str(path)) from exc
             log.warning("%s: cut %d bytes of a torn last line", path, end - good_end)
             state.torn_bytes += end - good_end
-
 
 
 def _record(raw: bytes) -> dict[str, Any] | None:
@@ -282,4 +306,4 @@ def _show(value: Any) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: its JSON escape, so the message can be printed
             text = json.dumps(value)
-    return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 1] + "…"
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 1] + "…"

@@ -60,8 +60,13 @@ def strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """``json.dumps``: templates write tool schemas and arguments with it, which HTML escaping would alter."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -98,13 +103,15 @@ class SafeNamespace(Namespace):
         super().__setitem__(name, value)
 
 
-def chat_environment(cls: type[ImmutableSandboxedEnvironment] = ImmutableSandboxedEnvironment,
-                     **options: Any) -> ImmutableSandboxedEnvironment:
+def chat_environment(
+    cls: type[ImmutableSandboxedEnvironment] = ImmutableSandboxedEnvironment, **options: Any
+) -> ImmutableSandboxedEnvironment:
     """An environment of class ``cls`` (a subclass may add checks) with transformers' options, extensions,
     globals and filters; ``options`` are passed on to it."""
     env = cls(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock], **options)
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictBuilder(),
-                       namespace=SafeNamespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=DictBuilder(), namespace=SafeNamespace
+    )
     env.filters["tojson"] = tojson
     return env
 

@@ -90,8 +90,9 @@ def _check_binop(operator: str, left: Any, right: Any, max_chars: int) -> None:
     if operator == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > max_chars:
-                raise SecurityError(f"a {type(seq).__name__} repeated to {len(seq) * n:,} items is over the "
-                                    f"limit of {max_chars:,}")
+                raise SecurityError(
+                    f"a {type(seq).__name__} repeated to {len(seq) * n:,} items is over the limit of {max_chars:,}"
+                )
         bits = left.bit_length() + right.bit_length() if ints else 0
     else:  # "**"
         bits = left.bit_length() * right if ints and right > 0 and abs(left) > 1 else 0
@@ -122,9 +123,15 @@ class TemplateRenderer:
         self._buf = bytearray()
         self._finalizer: weakref.finalize | None = None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               special_tokens: Mapping[str, str] | None = None, tools: list[Any] | None = None,
-               documents: list[Any] | None = None) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        special_tokens: Mapping[str, str] | None = None,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+    ) -> str:
         """The prompt text for ``messages``, rendered with the variables transformers gives a template:
         ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and ``special_tokens`` (``bos_token``,
         ``eos_token``, ...: ``ModelDir.special_tokens``). ``RenderError`` when this request's render fails or
@@ -132,8 +139,13 @@ class TemplateRenderer:
         from lingctl.flood.chat_environment import template_messages
 
         # Special tokens first: as in transformers, a variable of the same name wins over a token.
-        variables = {**(special_tokens or {}), "messages": template_messages(messages), "tools": tools,
-                     "documents": documents, "add_generation_prompt": add_generation_prompt}
+        variables = {
+            **(special_tokens or {}),
+            "messages": template_messages(messages),
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
         request = _line(variables)
         for attempt in (1, 2):
             proc = self._worker()
@@ -149,13 +161,18 @@ class TemplateRenderer:
             reply = self._receive(proc, deadline)
         except TimeoutError:
             self._stop()
-            log.warning("the chat template worker did not answer within %g s; it was stopped and the request "
-                        "it was rendering fails", self.limits.timeout_s + self.limits.grace_s)
+            log.warning(
+                "the chat template worker did not answer within %g s; it was stopped and the request "
+                "it was rendering fails",
+                self.limits.timeout_s + self.limits.grace_s,
+            )
             raise RenderError(f"the chat template took longer than {self.limits.timeout_s:g} s") from None
         except EOFError:
             status = self._stop()
-            raise RenderError(f"the chat template worker {status} while rendering this request (out of "
-                              f"memory, for example: the limit is {self.limits.memory_bytes >> 20} MiB)") from None
+            raise RenderError(
+                f"the chat template worker {status} while rendering this request (out of "
+                f"memory, for example: the limit is {self.limits.memory_bytes >> 20} MiB)"
+            ) from None
         if "error" in reply:
             if reply.get("slow"):  # each such request costs the whole time limit: say so as it happens
                 log.warning("a chat request's template render was stopped after %g s", self.limits.timeout_s)
@@ -196,8 +213,9 @@ class TemplateRenderer:
             reply = self._receive(proc, time.monotonic() + START_TIMEOUT_S)
         except (OSError, EOFError, TimeoutError) as exc:
             status = self._stop()
-            raise LingctlError(f"the chat template worker {status or 'failed'} while starting "
-                               f"({type(exc).__name__})") from None
+            raise LingctlError(
+                f"the chat template worker {status or 'failed'} while starting ({type(exc).__name__})"
+            ) from None
         if not reply.get("ready"):
             self._stop()
             raise LingctlError(str(reply.get("error")))
@@ -220,7 +238,7 @@ class TemplateRenderer:
                     raise EOFError
                 self._buf += chunk
         line = bytes(self._buf[:end])
-        del self._buf[:end + 1]
+        del self._buf[: end + 1]
         try:
             reply = json.loads(line)
         except ValueError:
@@ -264,7 +282,7 @@ def _send(proc: subprocess.Popen[bytes], data: bytes) -> None:
     assert proc.stdin is not None
     view = memoryview(data)
     while view:  # a raw pipe may take part of a large write
-        view = view[os.write(proc.stdin.fileno(), view):]
+        view = view[os.write(proc.stdin.fileno(), view) :]
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -274,7 +292,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 def _one_line(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 1] + "…"
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 1] + "…"
 
 
 # -- the worker process ----------------------------------------------------------------------------
@@ -354,8 +372,10 @@ def _render(template: Any, request: dict[str, Any], limits: dict[str, Any]) -> d
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return {"error": f"the chat template produced text that is not valid Unicode (a lone surrogate at "
-                         f"character {exc.start})"}
+        return {
+            "error": f"the chat template produced text that is not valid Unicode (a lone surrogate at "
+            f"character {exc.start})"
+        }
     return {"text": text}
 
 

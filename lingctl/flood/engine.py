@@ -43,8 +43,9 @@ class EngineConfig:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.max_batch_tokens < self.chunk:
-            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be at least the prompt chunk "
-                             f"({self.chunk})")
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be at least the prompt chunk ({self.chunk})"
+            )
         if self.kv_cache_tokens < 1 or self.max_seqs < 1 or self.stages < 1:
             raise ValueError("kv_cache_tokens, max_seqs and stages must be >= 1")
 
@@ -119,8 +120,15 @@ StopCheck = Callable[[list[int], list[str]], str | None]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, model_config: Any, runner: StageRunner,
-                 eos_ids: Iterable[int] = (), stop_check: StopCheck | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_config: Any,
+        runner: StageRunner,
+        eos_ids: Iterable[int] = (),
+        stop_check: StopCheck | None = None,
+    ) -> None:
         config.validate()
         self.config = config
         self.model_config = model_config
@@ -132,12 +140,18 @@ class Engine:
         self.alloc = SegmentAllocator(config.kv_cache_tokens)
 
     @staticmethod
-    def local(model: LingForCausalLM, config: EngineConfig, *, dtype: torch.dtype | None = None,
-              **kwargs: Any) -> Engine:
+    def local(
+        model: LingForCausalLM, config: EngineConfig, *, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> Engine:
         """A one-process engine around a loaded model (its KV pool has one extra scratch slot)."""
         mc = model.config
-        pool = KVPool(mc.num_hidden_layers, config.kv_cache_tokens + 1, mc.num_key_value_heads, mc.head_dim,
-                      dtype or model.model.word_embeddings.weight.dtype)
+        pool = KVPool(
+            mc.num_hidden_layers,
+            config.kv_cache_tokens + 1,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype or model.model.word_embeddings.weight.dtype,
+        )
         return Engine(config, model_config=mc, runner=LocalRunner(model, pool), **kwargs)
 
     # -- admission checks ------------------------------------------------------------------------
@@ -151,8 +165,10 @@ class Engine:
         if n == 0:
             return "prompt is empty"
         if n >= self.max_positions:
-            return (f"prompt has {n} tokens; the model's context is {self.max_positions} "
-                    "(max_position_embeddings), leaving no room for output")
+            return (
+                f"prompt has {n} tokens; the model's context is {self.max_positions} "
+                "(max_position_embeddings), leaving no room for output"
+            )
         if any(t < 0 or t >= self.model_config.vocab_size for t in req.prompt_ids):
             return f"prompt has token ids outside the vocabulary [0, {self.model_config.vocab_size})"
         need = n + 1
@@ -161,8 +177,9 @@ class Engine:
         return None
 
     # -- the loop -----------------------------------------------------------------------------------
-    def generate(self, requests: Iterable[GenRequest],
-                 on_step: Callable[[EngineStats], None] | None = None) -> Iterator[GenResult]:
+    def generate(
+        self, requests: Iterable[GenRequest], on_step: Callable[[EngineStats], None] | None = None
+    ) -> Iterator[GenResult]:
         """Run every request; yield each result as soon as it is final (completion order)."""
         started = time.monotonic()
         accepted: list[GenRequest] = []
@@ -178,21 +195,45 @@ class Engine:
                     reason, internal = error_text(exc), True
             if reason is not None:
                 self.stats.finished += 1
-                yield GenResult(key=req.key, token_ids=[], finish_reason="error", prompt_tokens=len(req.prompt_ids),
-                                cached_tokens=0, error=reason, internal=internal)
+                yield GenResult(
+                    key=req.key,
+                    token_ids=[],
+                    finish_reason="error",
+                    prompt_tokens=len(req.prompt_ids),
+                    cached_tokens=0,
+                    error=reason,
+                    internal=internal,
+                )
             else:
                 accepted.append(req)
-        plan = (plan_prefixes([r.prompt_ids for r in accepted], self.config.chunk)
-                if self.config.prefix_sharing else PrefixPlan(of_request=[None] * len(accepted)))
+        plan = (
+            plan_prefixes([r.prompt_ids for r in accepted], self.config.chunk)
+            if self.config.prefix_sharing
+            else PrefixPlan(of_request=[None] * len(accepted))
+        )
         self.stats.prefix_entries = len(plan.entries)
         self.stats.prefix_tokens_saved = plan.tokens_saved
-        sched = Scheduler(self.alloc, scratch_slot=self.config.kv_cache_tokens, chunk=self.config.chunk,
-                          max_batch_tokens=self.config.max_batch_tokens, max_seqs=self.config.max_seqs,
-                          output_reserve=self.config.output_reserve, growth=self.config.growth, prefixes=plan)
+        sched = Scheduler(
+            self.alloc,
+            scratch_slot=self.config.kv_cache_tokens,
+            chunk=self.config.chunk,
+            max_batch_tokens=self.config.max_batch_tokens,
+            max_seqs=self.config.max_seqs,
+            output_reserve=self.config.output_reserve,
+            growth=self.config.growth,
+            prefixes=plan,
+        )
         self.stats.scheduler = sched.stats
         for i, req in enumerate(accepted):
-            seq = Sequence(index=i, key=req, tokens=list(req.prompt_ids), prompt_len=len(req.prompt_ids),
-                           sampling=req.sampling, max_new=self._max_new(req), prefix=plan.of_request[i])
+            seq = Sequence(
+                index=i,
+                key=req,
+                tokens=list(req.prompt_ids),
+                prompt_len=len(req.prompt_ids),
+                sampling=req.sampling,
+                max_new=self._max_new(req),
+                prefix=plan.of_request[i],
+            )
             seq.state = generators[i]
             if seq.prefix is not None:
                 self.stats.prefix_hits += 1
@@ -216,8 +257,17 @@ class Engine:
                 # Greedy rows' tokens in one call instead of one per row: argmax takes the first maximum
                 # either way, so the tokens are the same.
                 firsts = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
-                sched.complete(step, lambda seq, row: self._on_sample(
-                    sched, seq, logits[row], done, greedy_token=firsts[row] if seq.sampling.greedy else None))
+                # complete() calls the callback before returning, so this iteration's logits are the ones used.
+                sched.complete(
+                    step,
+                    lambda seq, row: self._on_sample(
+                        sched,
+                        seq,
+                        logits[row],  # noqa: B023
+                        done,
+                        greedy_token=firsts[row] if seq.sampling.greedy else None,  # noqa: B023
+                    ),
+                )
                 yield from done
                 done.clear()
                 self._update_stats(sched, started)
@@ -226,8 +276,15 @@ class Engine:
         finally:
             self._update_stats(sched, started)
 
-    def _on_sample(self, sched: Scheduler, seq: Sequence, logits_V: torch.Tensor, done: list[GenResult], *,
-                   greedy_token: int | None = None) -> None:
+    def _on_sample(
+        self,
+        sched: Scheduler,
+        seq: Sequence,
+        logits_V: torch.Tensor,
+        done: list[GenResult],
+        *,
+        greedy_token: int | None = None,
+    ) -> None:
         reason: str | None = None
         stop_text: str | None = None
         try:
@@ -237,7 +294,7 @@ class Engine:
             if token in self.eos_ids:
                 reason = "stop"
             elif seq.sampling.stop and self.stop_check is not None:
-                stop_text = self.stop_check(seq.tokens[seq.prompt_len:], seq.sampling.stop)
+                stop_text = self.stop_check(seq.tokens[seq.prompt_len :], seq.sampling.stop)
                 if stop_text is not None:
                     reason = "stop"
         except Exception as exc:
@@ -247,9 +304,17 @@ class Engine:
             sched.release(seq)
             self.stats.finished += 1
             req: GenRequest = seq.key
-            done.append(GenResult(key=req.key, token_ids=seq.tokens[seq.prompt_len:], finish_reason="error",
-                                  prompt_tokens=seq.prompt_len, cached_tokens=seq.shared_len,
-                                  error=f"failed while sampling: {error_text(exc)}", internal=True))
+            done.append(
+                GenResult(
+                    key=req.key,
+                    token_ids=seq.tokens[seq.prompt_len :],
+                    finish_reason="error",
+                    prompt_tokens=seq.prompt_len,
+                    cached_tokens=seq.shared_len,
+                    error=f"failed while sampling: {error_text(exc)}",
+                    internal=True,
+                )
+            )
             return
         if reason is None and (seq.generated >= seq.max_new or len(seq.tokens) >= self.max_positions):
             reason = "length"
@@ -258,8 +323,16 @@ class Engine:
         sched.release(seq)
         self.stats.finished += 1
         req = seq.key
-        done.append(GenResult(key=req.key, token_ids=seq.tokens[seq.prompt_len:], finish_reason=reason,
-                              prompt_tokens=seq.prompt_len, cached_tokens=seq.shared_len, stop_text=stop_text))
+        done.append(
+            GenResult(
+                key=req.key,
+                token_ids=seq.tokens[seq.prompt_len :],
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+                cached_tokens=seq.shared_len,
+                stop_text=stop_text,
+            )
+        )
 
     def _fail_unschedulable(self, sched: Scheduler) -> Iterator[GenResult]:
         """Nothing runs and nothing can be preempted: the head request cannot fit even in an empty cache
@@ -268,10 +341,15 @@ class Engine:
         sched.release(seq)
         self.stats.finished += 1
         req: GenRequest = seq.key
-        yield GenResult(key=req.key, token_ids=seq.tokens[seq.prompt_len:], finish_reason="error",
-                        prompt_tokens=seq.prompt_len, cached_tokens=0,
-                        error=f"request does not fit in the KV cache ({self.config.kv_cache_tokens} slots, "
-                              f"{self.alloc.free_slots} free)")
+        yield GenResult(
+            key=req.key,
+            token_ids=seq.tokens[seq.prompt_len :],
+            finish_reason="error",
+            prompt_tokens=seq.prompt_len,
+            cached_tokens=0,
+            error=f"request does not fit in the KV cache ({self.config.kv_cache_tokens} slots, "
+            f"{self.alloc.free_slots} free)",
+        )
 
     def _update_stats(self, sched: Scheduler, started: float) -> None:
         self.stats.kv_used_slots = self.alloc.used_slots
@@ -286,4 +364,4 @@ class Engine:
 def error_text(exc: BaseException, limit: int = 300) -> str:
     """``Type: message`` on one line, cut to ``limit`` characters: a request's error record."""
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

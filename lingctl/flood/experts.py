@@ -17,6 +17,7 @@ I expert width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,6 @@ from torch import nn
 
 from lingctl.flood.native import kernels
 from lingctl.model.moe import SparseMoeBlock, dispatch_sorted, grouped_mm_available
-
 
 # Up to this many experts in use, one product per expert beats the grouped kernel (measured on 64 experts:
 # at batch size 1 the grouped call cost 345 us, six separate products about half of that).
@@ -63,10 +63,13 @@ def stack_of(block: SparseMoeBlock) -> ExpertStack | None:
     stack = getattr(block, STACK_ATTR, None)
     if not isinstance(stack, ExpertStack):
         return None
-    first = block.experts[0].gate_proj
-    weight = first.weight_q if stack.quantized else first.weight
-    if weight.dtype != stack.gate_up_EXD.dtype or \
-            weight.untyped_storage().data_ptr() != stack.gate_up_EXD.untyped_storage().data_ptr():
+    first = block.expert(0).gate_proj
+    # A quantized expert's projections are Int8Linear modules in the nn.Linear slots, holding weight_q.
+    weight = cast(torch.Tensor, first.weight_q) if stack.quantized else first.weight
+    if (
+        weight.dtype != stack.gate_up_EXD.dtype
+        or weight.untyped_storage().data_ptr() != stack.gate_up_EXD.untyped_storage().data_ptr()
+    ):
         return None
     return stack
 
@@ -102,11 +105,13 @@ class StackedExperts:
     @staticmethod
     def usable(block: SparseMoeBlock) -> bool:
         """Plain float linear experts, or int8 experts whose stacks a loader attached."""
-        e = block.experts[0]
+        e = block.expert(0)
         if stack_of(block) is not None:
             return True
-        return (all(type(m) is nn.Linear for m in (e.gate_proj, e.up_proj, e.down_proj))
-                and e.gate_proj.weight.device.type != "meta")
+        return (
+            all(type(m) is nn.Linear for m in (e.gate_proj, e.up_proj, e.down_proj))
+            and e.gate_proj.weight.device.type != "meta"
+        )
 
     def _product_of(self, e: int, rows_PD: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU on its rows; int8 weights are widened one expert at a time (the scales
@@ -123,8 +128,11 @@ class StackedExperts:
 
     def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         native = kernels() if not self.quantized and x_TD.dtype == torch.float32 else None
-        if native is not None and self.gate_up_EDX.dtype == torch.float32 and \
-                native.moe_supported(self.gate_up_EDX.shape[1], self.width, idx_TK.shape[1]):
+        if (
+            native is not None
+            and self.gate_up_EDX.dtype == torch.float32
+            and native.moe_supported(self.gate_up_EDX.shape[1], self.width, idx_TK.shape[1])
+        ):
             # One call walks every expert in use; a row's result depends on that row alone, so float32 steps
             # (decode and prompt alike) all take this path and stay batch-invariant without padding.
             return native.moe(x_TD, idx_TK, weight_TK, self.gate_up_EDX, self.down_EID)
@@ -150,11 +158,11 @@ class StackedExperts:
             # a product per active expert is faster. Both give the same bits for groups of >= 4 rows.
             # int8 experts always take this path: only the experts in use are widened.
             bounds = offs_E.tolist()
-            ys_PD = torch.cat([self._product_of(e, xs_PD[bounds[e] - int(padded_E[e]):bounds[e]]) for e in active])
+            ys_PD = torch.cat([self._product_of(e, xs_PD[bounds[e] - int(padded_E[e]) : bounds[e]]) for e in active])
         else:
             offs = offs_E.to(torch.int32)
             h_PX = torch._grouped_mm(xs_PD, self.gate_up_EDX, offs=offs)
-            act_PI = F.silu(h_PX[:, :self.width]) * h_PX[:, self.width:]
+            act_PI = F.silu(h_PX[:, : self.width]) * h_PX[:, self.width :]
             ys_PD = torch._grouped_mm(act_PI, self.down_EID, offs=offs)
         # The k weighted outputs of a token are summed in float32, in expert order, as the model's MoE does.
         w_N = weight_TK.reshape(-1)[order_N].unsqueeze(-1)
@@ -166,12 +174,13 @@ def _stack_float(block: SparseMoeBlock) -> ExpertStack:
     """Stacks of a model built in memory (not by a loader), already input-major: the transposes below are
     views of contiguous ``[E, D, 2I]`` / ``[E, I, D]`` tensors."""
     experts = block.experts
-    e0 = experts[0]
+    e0 = block.expert(0)
     i, d = e0.gate_proj.out_features, e0.gate_proj.in_features
     dtype = e0.gate_proj.weight.dtype
     gate_up_EDX = torch.empty(len(experts), d, 2 * i, dtype=dtype)
     down_EID = torch.empty(len(experts), i, d, dtype=dtype)
-    for n, e in enumerate(experts):
+    for n in range(len(experts)):
+        e = block.expert(n)
         gate_up_EDX[n, :, :i] = e.gate_proj.weight.t()
         gate_up_EDX[n, :, i:] = e.up_proj.weight.t()
         down_EID[n] = e.down_proj.weight.t()
@@ -184,20 +193,36 @@ def _repoint(block: SparseMoeBlock, gate_up_EDX: torch.Tensor, down_EID: torch.T
     """Make each expert's weights views of the input-major stacks (the old tensors are freed)."""
     i = down_EID.shape[1]
     for n, e in enumerate(block.experts):
-        views = {"gate_proj": gate_up_EDX[n, :, :i].t(), "up_proj": gate_up_EDX[n, :, i:].t(),
-                 "down_proj": down_EID[n].t()}
+        views = {
+            "gate_proj": gate_up_EDX[n, :, :i].t(),
+            "up_proj": gate_up_EDX[n, :, i:].t(),
+            "down_proj": down_EID[n].t(),
+        }
         for name, view in views.items():
             linear = getattr(e, name)
             if stack.quantized:
                 linear.weight_q = view  # a registered buffer: plain assignment replaces it
             else:
                 linear.weight = nn.Parameter(view, requires_grad=False)
-    attach_stack(block, ExpertStack(gate_up_EXD=gate_up_EDX.transpose(1, 2), down_EDI=down_EID.transpose(1, 2),
-                                    gate_up_scale_EX=stack.gate_up_scale_EX, down_scale_ED=stack.down_scale_ED))
+    attach_stack(
+        block,
+        ExpertStack(
+            gate_up_EXD=gate_up_EDX.transpose(1, 2),
+            down_EDI=down_EID.transpose(1, 2),
+            gate_up_scale_EX=stack.gate_up_scale_EX,
+            down_scale_ED=stack.down_scale_ED,
+        ),
+    )
 
 
-def routed_experts(block: SparseMoeBlock, stacked: StackedExperts | None, x_TD: torch.Tensor,
-                   idx_TK: torch.Tensor, weight_TK: torch.Tensor, min_rows: int) -> torch.Tensor:
+def routed_experts(
+    block: SparseMoeBlock,
+    stacked: StackedExperts | None,
+    x_TD: torch.Tensor,
+    idx_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    min_rows: int,
+) -> torch.Tensor:
     if stacked is not None:
         return stacked(x_TD, idx_TK, weight_TK)
     return dispatch_sorted(x_TD, idx_TK, weight_TK, block.experts, min_rows=min_rows)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,9 @@ from lingctl.flood.native import Kernels, kernels
 from lingctl.flood.packed import PackedLinear
 from lingctl.flood.packed import available as packed_available
 from lingctl.flood.segment_cache import KVPool
-from lingctl.model.layers import apply_rope, rope_cos_sin
-from lingctl.model.ling import LingForCausalLM
-from lingctl.model.moe import SparseMoeBlock
+from lingctl.model.layers import MLP, Attention, apply_rope, rope_cos_sin
+from lingctl.model.ling import DecoderLayer, LingForCausalLM
+from lingctl.model.moe import Router, SparseMoeBlock
 
 MIN_ROWS = 4
 # SDPA reads grouped KV heads in place from torch 2.5; older versions get the heads repeated.
@@ -105,11 +106,15 @@ class NativeUnits:
             for a, b in unit.ranges:
                 keys.extend(range(a, b))
             longest = max(longest, n)
-        return NativeUnits(kernels=native, units_U4=torch.tensor(rows, dtype=torch.long).view(-1, 4),
-                           keys=torch.tensor(keys, dtype=torch.long), max_keys=longest)
+        return NativeUnits(
+            kernels=native,
+            units_U4=torch.tensor(rows, dtype=torch.long).view(-1, 4),
+            keys=torch.tensor(keys, dtype=torch.long),
+            max_keys=longest,
+        )
 
 
-def rope_tables(positions_T: torch.Tensor, attn: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions_T: torch.Tensor, attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, Dh] for the step's positions: the same for every layer, so computed once per step (the
     model's own ``project`` recomputes them per layer)."""
     cos, sin = rope_cos_sin(positions_T, attn.head_dim, attn.rope_theta, dtype)
@@ -119,8 +124,9 @@ def rope_tables(positions_T: torch.Tensor, attn: nn.Module, dtype: torch.dtype) 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def project(attn: nn.Module, qkv_proj: Linear, x_TD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project(
+    attn: Attention, qkv_proj: Linear, x_TD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``Attention.project`` with precomputed rotary tables: q [H, T, Dh], k and v [K, T, Dh]."""
     t = x_TD.shape[0]
     qkv = qkv_proj(x_TD).view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
@@ -129,9 +135,19 @@ def project(attn: nn.Module, qkv_proj: Linear, x_TD: torch.Tensor, cos: torch.Te
     return apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0], v
 
 
-def attention_step(attn: nn.Module, ops: LayerOps, pool: KVPool, layer: int, x_TD: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, slots_T: torch.Tensor, units: list[AttentionUnit],
-                   real: int, native: NativeUnits | None = None) -> torch.Tensor:
+def attention_step(
+    attn: Attention,
+    ops: LayerOps,
+    pool: KVPool,
+    layer: int,
+    x_TD: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots_T: torch.Tensor,
+    units: list[AttentionUnit],
+    real: int,
+    native: NativeUnits | None = None,
+) -> torch.Tensor:
     """Project, store this step's k/v, then attend unit by unit. Units cover rows ``[0, real)`` in order, so
     their outputs concatenate into the step's rows; padding rows get zeros.
 
@@ -146,8 +162,9 @@ def attention_step(attn: nn.Module, ops: LayerOps, pool: KVPool, layer: int, x_T
         t = x_TD.shape[0]
         q_THD = q_HTD.transpose(0, 1).contiguous()
         out_THD = q_THD.new_zeros(t, attn.num_heads, attn.head_dim)
-        native.kernels.attention(q_THD, k_pool, v_pool, native.units_U4, native.keys, attn.head_dim ** -0.5,
-                                 out_THD, native.max_keys)
+        native.kernels.attention(
+            q_THD, k_pool, v_pool, native.units_U4, native.keys, attn.head_dim**-0.5, out_THD, native.max_keys
+        )
         return ops.dense(out_THD.view(t, attn.num_heads * attn.head_dim))
     groups = attn.num_heads // attn.num_kv_heads
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
@@ -165,9 +182,15 @@ def attention_step(attn: nn.Module, ops: LayerOps, pool: KVPool, layer: int, x_T
             keys_LKD = keys_LKD.repeat_interleave(groups, dim=1)
             values_LKD = values_LKD.repeat_interleave(groups, dim=1)
         mask = _causal_mask(unit.q_len, keys_LKD.shape[0]) if unit.q_len > 1 else None
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, unit.q_start:unit.q_start + unit.q_len], keys_LKD.transpose(0, 1).unsqueeze(0),
-            values_LKD.transpose(0, 1).unsqueeze(0), attn_mask=mask, **gqa))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, unit.q_start : unit.q_start + unit.q_len],
+                keys_LKD.transpose(0, 1).unsqueeze(0),
+                values_LKD.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                **gqa,
+            )
+        )
     t = x_TD.shape[0]
     if real < t:
         outs.append(q.new_zeros(1, attn.num_heads, t - real, attn.head_dim))
@@ -180,7 +203,7 @@ class FusedMLP:
     and down ``[W, D]``: two products instead of three, each reading its weight row-major. The module's
     parameters become views of these (no second copy)."""
 
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, mlp: MLP) -> None:
         w = mlp.gate_proj.out_features
         with torch.no_grad():
             gate_up_DX = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous()
@@ -193,14 +216,17 @@ class FusedMLP:
         self.down = PackedLinear(down_WD.t())
 
     @staticmethod
-    def usable(mlp: nn.Module) -> bool:
-        return (all(type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
-                and mlp.gate_proj.bias is None and mlp.down_proj.bias is None
-                and mlp.gate_proj.weight.device.type != "meta")
+    def usable(mlp: MLP) -> bool:
+        return (
+            all(type(getattr(mlp, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+            and mlp.gate_proj.bias is None
+            and mlp.down_proj.bias is None
+            and mlp.gate_proj.weight.device.type != "meta"
+        )
 
     def __call__(self, x_TD: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x_TD)
-        return self.down(F.silu(h[:, :self.width]) * h[:, self.width:])
+        return self.down(F.silu(h[:, : self.width]) * h[:, self.width :])
 
 
 def _input_major(linear: nn.Module) -> None:
@@ -231,7 +257,7 @@ class LayerOps:
     dense: Linear
 
 
-def _mlp(mlp: nn.Module, fused: FusedMLP | None, x_TD: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: MLP, fused: FusedMLP | None, x_TD: torch.Tensor) -> torch.Tensor:
     return fused(x_TD) if fused is not None else mlp(x_TD)
 
 
@@ -239,15 +265,18 @@ class PackedRouter:
     """``Router.forward`` for inference (no warmup noise) with the router's product packed like the other
     linears: the same softmax in float32, top-k and renormalisation."""
 
-    def __init__(self, gate: nn.Module) -> None:
+    def __init__(self, gate: Router) -> None:
         self.linear = PackedLinear(gate.weight)
         self.top_k = gate.top_k
         self.norm_topk_prob = gate.norm_topk_prob
 
     @staticmethod
-    def usable(gate: nn.Module) -> bool:
-        return (gate.weight.device.type == "cpu" and gate.weight.dtype in (torch.float32, torch.bfloat16)
-                and getattr(gate, "warmup_alpha", 1.0) >= 1.0)
+    def usable(gate: Router) -> bool:
+        return (
+            gate.weight.device.type == "cpu"
+            and gate.weight.dtype in (torch.float32, torch.bfloat16)
+            and getattr(gate, "warmup_alpha", 1.0) >= 1.0
+        )
 
     def __call__(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = self.linear(x_TD).to(torch.float32).softmax(dim=-1)
@@ -257,8 +286,14 @@ class PackedRouter:
         return idx, weight
 
 
-def mlp_step(mlp: nn.Module, x_TD: torch.Tensor, real: int, stacked: StackedExperts | None,
-             fused: FusedMLP | None, router: PackedRouter | None = None) -> torch.Tensor:
+def mlp_step(
+    mlp: SparseMoeBlock | MLP,
+    x_TD: torch.Tensor,
+    real: int,
+    stacked: StackedExperts | None,
+    fused: FusedMLP | None,
+    router: PackedRouter | None = None,
+) -> torch.Tensor:
     """The layer's MLP. Of a MoE layer, only the ``real`` rows are routed: padding rows would otherwise pick
     experts of their own (a one-token step would run up to 4x the experts). ``fused`` is the shared expert
     of a MoE layer, or the MLP of a dense one."""
@@ -294,7 +329,7 @@ class StageModel:
         self.routers: dict[int, PackedRouter] = {}
         self.ops: dict[int, LayerOps] = {}
         for i in range(first, last):
-            layer = model.model.layers[i]
+            layer = cast(DecoderLayer, model.model.layers[i])  # ModuleList items are typed as plain Modules
             self.ops[i] = LayerOps(qkv=_fast(layer.attention.query_key_value), dense=_fast(layer.attention.dense))
             mlp = layer.mlp
             if isinstance(mlp, SparseMoeBlock):
@@ -331,18 +366,28 @@ class StageModel:
         layers = self.model.model.layers
         real = batch.real_tokens or len(batch.token_ids)
         cos = sin = None
-        native = (NativeUnits.build(self.native, batch.units)
-                  if self.native is not None and x.dtype == torch.float32 else None)
+        native = (
+            NativeUnits.build(self.native, batch.units)
+            if self.native is not None and x.dtype == torch.float32
+            else None
+        )
         for i in range(self.first, self.last):
-            layer = layers[i]
+            layer = cast(DecoderLayer, layers[i])
             h = layer.input_layernorm(x)
             if cos is None:
                 cos, sin = rope_tables(positions, layer.attention, h.dtype)
             assert sin is not None
-            x = x + attention_step(layer.attention, self.ops[i], self.pool, i - self.first, h, cos, sin, slots,
-                                   batch.units, real, native)
-            x = x + mlp_step(layer.mlp, layer.post_attention_layernorm(x), real, self.stacked.get(i),
-                             self.fused.get(i), self.routers.get(i))
+            x = x + attention_step(
+                layer.attention, self.ops[i], self.pool, i - self.first, h, cos, sin, slots, batch.units, real, native
+            )
+            x = x + mlp_step(
+                layer.mlp,
+                layer.post_attention_layernorm(x),
+                real,
+                self.stacked.get(i),
+                self.fused.get(i),
+                self.routers.get(i),
+            )
         if not self.is_last:
             return x
         rows = list(batch.sample_rows)

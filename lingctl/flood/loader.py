@@ -71,9 +71,16 @@ def temp_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -> 
     return max(reading, bake)
 
 
-def load_streaming(directory: Path, config: LingConfig, files: dict[str, Path], *, dtype: torch.dtype,
-                   quantize: str | None = None, layers: tuple[int, int] | None = None,
-                   chunk_bytes: int = CHUNK_BYTES) -> tuple[LingForCausalLM, LoadStats]:
+def load_streaming(
+    directory: Path,
+    config: LingConfig,
+    files: dict[str, Path],
+    *,
+    dtype: torch.dtype,
+    quantize: str | None = None,
+    layers: tuple[int, int] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[LingForCausalLM, LoadStats]:
     """The model of ``directory`` (``files``: tensor name -> shard), or with ``layers=(first, last)`` only what
     that pipeline stage needs (the other layers stay on ``meta`` and cost nothing). Every header is checked
     against the config before the first tensor byte is read."""
@@ -85,17 +92,25 @@ def load_streaming(directory: Path, config: LingConfig, files: dict[str, Path], 
     # both cores busy, and on a busy machine a second compute thread made quantizing 5x slower (measured).
     torch.set_num_threads(1)
     try:
-        model, stats = _load(directory, config, files, dtype=dtype, quantize=quantize, layers=layers,
-                             chunk_bytes=chunk_bytes)
+        model, stats = _load(
+            directory, config, files, dtype=dtype, quantize=quantize, layers=layers, chunk_bytes=chunk_bytes
+        )
     finally:
         torch.set_num_threads(threads)
     stats.seconds = time.monotonic() - started
     return model, stats
 
 
-def _load(directory: Path, config: LingConfig, files: dict[str, Path], *, dtype: torch.dtype,
-          quantize: str | None, layers: tuple[int, int] | None, chunk_bytes: int
-          ) -> tuple[LingForCausalLM, LoadStats]:
+def _load(
+    directory: Path,
+    config: LingConfig,
+    files: dict[str, Path],
+    *,
+    dtype: torch.dtype,
+    quantize: str | None,
+    layers: tuple[int, int] | None,
+    chunk_bytes: int,
+) -> tuple[LingForCausalLM, LoadStats]:
     n = config.num_hidden_layers
     first, last = layers if layers is not None else (0, n)
     with torch.device("meta"):
@@ -115,8 +130,9 @@ def _load(directory: Path, config: LingConfig, files: dict[str, Path], *, dtype:
     names = [k for k in shapes if wanted(k)]
     missing = [k for k in names if k not in files]
     if missing:
-        raise LingctlError(f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
-                           f"e.g. {', '.join(missing[:3])}")
+        raise LingctlError(
+            f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {', '.join(missing[:3])}"
+        )
     entries = _entries(files, names, shapes)
     head_name = "model.word_embeddings.weight" if config.tie_word_embeddings else "lm_head.weight"
     bake = last == n and config.norm_head and head_name in entries
@@ -157,8 +173,13 @@ def _load(directory: Path, config: LingConfig, files: dict[str, Path], *, dtype:
         model.config.norm_head = False
     model.eval()
     release_free_memory()
-    stats = LoadStats(files=len(by_file), tensors=len(names), bytes_needed=sum(e.nbytes for e in entries.values()),
-                      bytes_read=bytes_read, seconds=0.0)
+    stats = LoadStats(
+        files=len(by_file),
+        tensors=len(names),
+        bytes_needed=sum(e.nbytes for e in entries.values()),
+        bytes_read=bytes_read,
+        seconds=0.0,
+    )
     return model, stats
 
 
@@ -170,12 +191,12 @@ def _int8_on_meta(model: LingForCausalLM, dtype: torch.dtype) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         lin = getattr(parent, child)
-        setattr(parent, child, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype,
-                                          device="meta"))
+        setattr(
+            parent, child, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype, device="meta")
+        )
 
 
-def _entries(files: dict[str, Path], names: list[str], shapes: dict[str, tuple[int, ...]]
-             ) -> dict[str, TensorEntry]:
+def _entries(files: dict[str, Path], names: list[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorEntry]:
     """Validated headers of every file involved, each name checked against the shape the config implies."""
     found = {path: {e.name: e for e in read_entries(path)} for path in sorted({files[k] for k in names})}
     out: dict[str, TensorEntry] = {}
@@ -184,8 +205,7 @@ def _entries(files: dict[str, Path], names: list[str], shapes: dict[str, tuple[i
         if e is None:
             raise LingctlError(f"{files[name]}: has no tensor {name} (the index says it does)")
         if e.shape != shapes[name]:
-            raise LingctlError(f"{files[name]}: tensor {name} has shape {e.shape}, config.json implies "
-                               f"{shapes[name]}")
+            raise LingctlError(f"{files[name]}: tensor {name} has shape {e.shape}, config.json implies {shapes[name]}")
         if not e.dtype.is_floating_point:
             raise LingctlError(f"{files[name]}: tensor {name} has dtype {e.dtype}; weights must be floating point")
         out[name] = e
@@ -262,7 +282,7 @@ class _Targets:
             stack = self._allocate(block)
             self.stacks[layer] = stack
             attach_stack(block, stack)
-        width = block.experts[0].down_proj.in_features
+        width = block.expert(0).down_proj.in_features
         rows = {"gate": slice(0, width), "up": slice(width, 2 * width)}.get(proj)
         w = stack.gate_up_EXD[index, rows] if rows is not None else stack.down_EDI[index]
         s: torch.Tensor | None = None
@@ -278,8 +298,8 @@ class _Targets:
 
     def _allocate(self, block: SparseMoeBlock) -> ExpertStack:
         e = len(block.experts)
-        width = block.experts[0].down_proj.in_features
-        d = block.experts[0].down_proj.out_features
+        width = block.expert(0).down_proj.in_features
+        d = block.expert(0).down_proj.out_features
         # Input-major storage ([E, D, 2I] and [E, I, D] contiguous), seen through transposed views with the
         # stack's [E, 2I, D] / [E, D, I] shapes: the expert products read each weight row-major (x @ W), the
         # layout the forward pass uses without copying.
@@ -287,9 +307,12 @@ class _Targets:
         gate_up_EXD = torch.empty(e, d, 2 * width, dtype=wdtype).transpose(1, 2)
         down_EDI = torch.empty(e, width, d, dtype=wdtype).transpose(1, 2)
         if self.quantize == "int8":
-            return ExpertStack(gate_up_EXD=gate_up_EXD, down_EDI=down_EDI,
-                               gate_up_scale_EX=torch.empty(e, 2 * width, dtype=self.dtype),
-                               down_scale_ED=torch.empty(e, d, dtype=self.dtype))
+            return ExpertStack(
+                gate_up_EXD=gate_up_EXD,
+                down_EDI=down_EDI,
+                gate_up_scale_EX=torch.empty(e, 2 * width, dtype=self.dtype),
+                down_scale_ED=torch.empty(e, d, dtype=self.dtype),
+            )
         return ExpertStack(gate_up_EXD=gate_up_EXD, down_EDI=down_EDI)
 
     def write(self, name: str, row: int, src: torch.Tensor, f32: _Scratch) -> None:
@@ -299,19 +322,19 @@ class _Targets:
             if target.dst.dim() == 0:
                 target.dst.copy_(src)
             else:
-                _copy_rows(target.dst[row:row + src.shape[0]], src)  # the same cast kernel as .to(dtype)
+                _copy_rows(target.dst[row : row + src.shape[0]], src)  # the same cast kernel as .to(dtype)
             return
         rows, width = src.shape
         chunk = f32.rows(rows, width)
         scale = quantize_rows(src, self.dtype, chunk)
-        dst = target.q_OI[row:row + rows]
+        dst = target.q_OI[row : row + rows]
         if dst.is_contiguous():
             dst.copy_(chunk)  # integral values in [-127, 127]: exact
         else:  # narrow to int8 first: the transpose then moves one byte per element
             # (Transposing on a second thread while the next piece is quantized was measured: no faster on
             # this 2-core machine under its usual load.)
             _copy_rows(dst, chunk.to(torch.int8))
-        target.scale_O[row:row + rows].copy_(scale)
+        target.scale_O[row : row + rows].copy_(scale)
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -334,12 +357,17 @@ def _bake_norm_head_(w_VD: torch.Tensor, round_dtype: torch.dtype) -> None:
     bounds = list(range(0, d, NORM_COLUMNS)) + [d]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]  # a one-column block reduces by another kernel than the whole matrix does
-    norm_1D = torch.cat([torch.linalg.vector_norm(w_VD[:, a:b].to(torch.float32).contiguous(), ord=2, dim=0,
-                                                  keepdim=True) for a, b in zip(bounds, bounds[1:])], dim=1)
+    norm_1D = torch.cat(
+        [
+            torch.linalg.vector_norm(w_VD[:, a:b].to(torch.float32).contiguous(), ord=2, dim=0, keepdim=True)
+            for a, b in zip(bounds, bounds[1:])
+        ],
+        dim=1,
+    )
     norm_1D = norm_1D + NORM_HEAD_EPS
     step = max(1, F32_BYTES // 2 // (4 * d))
     for r0 in range(0, v, step):
-        rows = w_VD[r0:r0 + step]
+        rows = w_VD[r0 : r0 + step]
         rows.copy_((rows.to(torch.float32) / norm_1D).to(round_dtype))
 
 

@@ -124,19 +124,27 @@ class ModelDir:
         for file in sorted(set(files.values())):
             read_entries(file)
 
-    def load(self, *, dtype: torch.dtype, quantize: str | None = None,
-             layers: tuple[int, int] | None = None) -> LingForCausalLM:
+    def load(
+        self, *, dtype: torch.dtype, quantize: str | None = None, layers: tuple[int, int] | None = None
+    ) -> LingForCausalLM:
         """The model, or with ``layers=(first, last)`` only what that pipeline stage needs."""
         return self.load_with_stats(dtype=dtype, quantize=quantize, layers=layers)[0]
 
-    def load_with_stats(self, *, dtype: torch.dtype, quantize: str | None = None,
-                        layers: tuple[int, int] | None = None) -> tuple[LingForCausalLM, LoadStats]:
+    def load_with_stats(
+        self, *, dtype: torch.dtype, quantize: str | None = None, layers: tuple[int, int] | None = None
+    ) -> tuple[LingForCausalLM, LoadStats]:
         """``load`` and what it read: the weights are streamed from the files into their final form (int8
         rows and scales, or the serving dtype), each file read once (see ``lingctl.flood.loader``)."""
-        model, stats = load_streaming(self.path, self.config, weight_files(self.path), dtype=dtype,
-                                      quantize=quantize, layers=layers)
-        log.info("loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s", stats.tensors,
-                 stats.bytes_read / 1e9, stats.files, stats.seconds)
+        model, stats = load_streaming(
+            self.path, self.config, weight_files(self.path), dtype=dtype, quantize=quantize, layers=layers
+        )
+        log.info(
+            "loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s",
+            stats.tensors,
+            stats.bytes_read / 1e9,
+            stats.files,
+            stats.seconds,
+        )
         return model, stats
 
 
@@ -153,5 +161,4 @@ def _named_tokens(side_file: dict[str, Any]) -> dict[str, str | None]:
     extra = side_file.get("extra_special_tokens")  # a list holds unnamed tokens; an object, named ones
     if isinstance(extra, dict):
         entries += extra.items()
-    return {name: _token_text(value) for name, value in entries
-            if value is None or _token_text(value) is not None}
+    return {name: _token_text(value) for name, value in entries if value is None or _token_text(value) is not None}

@@ -106,17 +106,29 @@ class Pending:
             w.wait()
 
 
-def send_message(dst: int, kind: int, tag: int, payload: torch.Tensor | None = None,
-                 tensor: torch.Tensor | None = None, device: str = "cpu") -> Pending:
+def send_message(
+    dst: int,
+    kind: int,
+    tag: int,
+    payload: torch.Tensor | None = None,
+    tensor: torch.Tensor | None = None,
+    device: str = "cpu",
+) -> Pending:
     nbytes = 0 if payload is None else payload.numel()
     rows, cols = (0, 0) if tensor is None else tuple(tensor.shape)
     header = torch.tensor([kind, tag, nbytes, rows, cols], dtype=torch.int64, device=device)
     buffers = [header]
-    if nbytes:
+    if payload is not None and nbytes:
         buffers.append(payload)
-    if rows * cols:
+    if tensor is not None and rows * cols:
         buffers.append(tensor.contiguous())
-    return Pending([dist.isend(b, dst) for b in buffers], buffers)
+    return Pending([_isend(b, dst) for b in buffers], buffers)
+
+
+def _isend(buffer: torch.Tensor, dst: int) -> dist.Work:
+    work = dist.isend(buffer, dst)
+    assert work is not None  # None only for a rank outside the group; every stage is in the default group
+    return work
 
 
 def recv_message(src: int, dtype: torch.dtype, device: str = "cpu") -> Message:
@@ -136,12 +148,13 @@ def recv_message(src: int, dtype: torch.dtype, device: str = "cpu") -> Message:
 
 
 def pack_batch(batch: StepBatch, device: str = "cpu") -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)),
-                            dtype=torch.uint8).to(device)
+    return torch.frombuffer(bytearray(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8).to(
+        device
+    )
 
 
 def unpack_batch(payload: torch.Tensor) -> StepBatch:
-    return pickle.loads(memoryview(payload.cpu().numpy()))
+    return pickle.loads(payload.cpu().numpy().data)
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------
@@ -198,14 +211,24 @@ def _cpu_count() -> int:
 class PipelineRunner:
     """``engine.StageRunner`` over ``stages`` stage processes; this process is rank 0 (the scheduler)."""
 
-    def __init__(self, model_dir: Path, *, stages: int, dtype: torch.dtype, quantize: str | None,
-                 kv_cache_tokens: int, threads_per_stage: int | None = None, timeout_s: float = 600,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        stages: int,
+        dtype: torch.dtype,
+        quantize: str | None,
+        kv_cache_tokens: int,
+        threads_per_stage: int | None = None,
+        timeout_s: float = 600,
+        device: str = "cpu",
+    ) -> None:
         mdir = ModelDir.open(Path(model_dir))
         self.split = split_layers(mdir.config.num_hidden_layers, stages)
         if dist.is_initialized():
-            raise LingctlError("cannot start pipeline stages: this process already has a torch.distributed "
-                               "process group")
+            raise LingctlError(
+                "cannot start pipeline stages: this process already has a torch.distributed process group"
+            )
         self.depth = stages
         self.device = device
         self.timeout_s = timeout_s
@@ -226,23 +249,47 @@ class PipelineRunner:
         port = free_port()
         threads = threads_per_stage or max(1, _cpu_count() // stages)
         try:
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                                  timeout=LINK_TIMEOUT)
+            store = dist.TCPStore(
+                "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=LINK_TIMEOUT
+            )
             for rank, (first, last) in enumerate(self.split, start=1):
-                env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                           RANK=str(rank), OMP_NUM_THREADS=str(threads))
-                cmd = [sys.executable, "-m", "lingctl.flood.pipeline", "--model-dir", str(mdir.path),
-                       "--first", str(first), "--last", str(last), "--dtype", str(dtype).removeprefix("torch."),
-                       "--kv-cache-tokens", str(kv_cache_tokens), "--threads", str(threads), "--device", device,
-                       "--parent-pid", str(os.getpid())]
+                env = dict(
+                    os.environ,
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    WORLD_SIZE=str(world),
+                    RANK=str(rank),
+                    OMP_NUM_THREADS=str(threads),
+                )
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "lingctl.flood.pipeline",
+                    "--model-dir",
+                    str(mdir.path),
+                    "--first",
+                    str(first),
+                    "--last",
+                    str(last),
+                    "--dtype",
+                    str(dtype).removeprefix("torch."),
+                    "--kv-cache-tokens",
+                    str(kv_cache_tokens),
+                    "--threads",
+                    str(threads),
+                    "--device",
+                    device,
+                    "--parent-pid",
+                    str(os.getpid()),
+                ]
                 if quantize is not None:
                     cmd += ["--quantize", quantize]
                 with open(self._logs[rank - 1], "wb") as err:
-                    self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                                        stdout=subprocess.DEVNULL, stderr=err))
+                    self._procs.append(
+                        subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+                    )
             self._wait_loaded(store)
-            dist.init_process_group(backend_for(device), store=store, rank=0, world_size=world,
-                                    timeout=LINK_TIMEOUT)
+            dist.init_process_group(backend_for(device), store=store, rank=0, world_size=world, timeout=LINK_TIMEOUT)
             self._group = True
         except BaseException:
             self._abort()
@@ -266,12 +313,15 @@ class PipelineRunner:
                         raise self._stage_error(rank, f"failed to start: {status}")
                     loaded.add(rank)
                 elif p.poll() is not None:
-                    raise self._stage_error(rank, _with_last_line(f"{_exit_status(p.returncode)} while loading",
-                                                                  self._logs[i]))
+                    raise self._stage_error(
+                        rank, _with_last_line(f"{_exit_status(p.returncode)} while loading", self._logs[i])
+                    )
             if time.monotonic() > deadline:
                 waiting = sorted(set(range(1, self.depth + 1)) - loaded)
-                raise LingctlError(f"pipeline stage(s) {waiting} did not load within {self.timeout_s:.0f} s",
-                                   hint="raise the timeout for large checkpoints or slow disks")
+                raise LingctlError(
+                    f"pipeline stage(s) {waiting} did not load within {self.timeout_s:.0f} s",
+                    hint="raise the timeout for large checkpoints or slow disks",
+                )
             time.sleep(POLL_S)
 
     def _stage_error(self, rank: int, what: str) -> LingctlError:
@@ -299,9 +349,14 @@ class PipelineRunner:
         dead = [(p.returncode >= 0, i) for i, p in enumerate(self._procs) if p.poll() is not None]
         if not dead:
             return None
-        return LingctlError("; ".join(
-            self._stage_error(i + 1, _with_last_line(_exit_status(self._procs[i].returncode), self._logs[i])).message
-            for _, i in sorted(dead)))
+        return LingctlError(
+            "; ".join(
+                self._stage_error(
+                    i + 1, _with_last_line(_exit_status(self._procs[i].returncode), self._logs[i])
+                ).message
+                for _, i in sorted(dead)
+            )
+        )
 
     def _fail(self, error: LingctlError) -> LingctlError:
         self._failed = error.message
@@ -339,8 +394,11 @@ class PipelineRunner:
                 if dead is not None:
                     raise self._fail(dead) from None
                 if time.monotonic() > deadline:
-                    raise self._fail(LingctlError(f"pipeline returned no result within {self.timeout_s:.0f} s "
-                                                  f"(step {self._tags[0]})")) from None
+                    raise self._fail(
+                        LingctlError(
+                            f"pipeline returned no result within {self.timeout_s:.0f} s (step {self._tags[0]})"
+                        )
+                    ) from None
         if isinstance(item, BaseException):
             # The link broke because a stage died: give its exit code and last words once the OS reports it.
             end = time.monotonic() + 2.0
@@ -351,9 +409,14 @@ class PipelineRunner:
             raise self._fail(dead or LingctlError(f"pipeline link failed: {item}")) from None
         tag = self._tags.popleft()
         if item.kind != STEP or item.tag != tag:
-            raise self._fail(LingctlError(f"pipeline returned message kind {item.kind} for step {item.tag} "
-                                          f"while step {tag} was the oldest in flight"))
+            raise self._fail(
+                LingctlError(
+                    f"pipeline returned message kind {item.kind} for step {item.tag} "
+                    f"while step {tag} was the oldest in flight"
+                )
+            )
         self._sends.popleft().wait()  # stage 1 has long received it
+        assert item.tensor is not None  # the last stage always answers a step with its logits
         return item.tensor
 
     def close(self) -> None:
@@ -371,8 +434,12 @@ class PipelineRunner:
                 # Steps still in flight are computed first; the shutdown's echo is the last message back.
                 self._wanted.release()
                 deadline = time.monotonic() + self.timeout_s
-                while (self._receiver is not None and self._receiver.is_alive() and self._dead_stage() is None
-                       and time.monotonic() < deadline):
+                while (
+                    self._receiver is not None
+                    and self._receiver.is_alive()
+                    and self._dead_stage() is None
+                    and time.monotonic() < deadline
+                ):
                     self._receiver.join(timeout=POLL_S)
         self._abort(grace_s=STOP_GRACE_S)
 
@@ -399,6 +466,7 @@ class PipelineRunner:
 
 def _exit_with_parent(parent_pid: int) -> None:
     """Rank 0 is our parent; once it is gone nothing will arrive, whatever gloo's timeout says."""
+
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
@@ -425,6 +493,7 @@ def serve(stage: StageModel, rank: int, world: int, dtype: torch.dtype, device: 
                 pending.wait()
             send_message(nxt, SHUTDOWN, msg.tag, device=device).wait()
             return
+        assert msg.payload is not None  # every step message carries its batch
         out = stage.run(unpack_batch(msg.payload), msg.tensor if rank > 1 else None)
         # The previous micro-batch's send went on while this one was computed; one message in the air at most.
         if pending is not None:
@@ -436,8 +505,9 @@ def serve(stage: StageModel, rank: int, world: int, dtype: torch.dtype, device: 
 
 
 def stage_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lingctl.flood.pipeline",
-                                     description="One pipeline stage of lingctl flood (started by rank 0).")
+    parser = argparse.ArgumentParser(
+        prog="python -m lingctl.flood.pipeline", description="One pipeline stage of lingctl flood (started by rank 0)."
+    )
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--first", type=int, required=True)
     parser.add_argument("--last", type=int, required=True)
@@ -454,18 +524,24 @@ def stage_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"stage {rank}: %(message)s")
     _exit_with_parent(args.parent_pid)
     torch.set_num_threads(args.threads)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=LINK_TIMEOUT)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=LINK_TIMEOUT
+    )
     key = f"lingctl/loaded/{rank}"
     try:
         dtype = getattr(torch, args.dtype)
-        model = ModelDir.open(args.model_dir).load(dtype=dtype, quantize=args.quantize,
-                                                   layers=(args.first, args.last))
+        model = ModelDir.open(args.model_dir).load(dtype=dtype, quantize=args.quantize, layers=(args.first, args.last))
         if torch.device(args.device).type != "cpu":
             model.to(args.device)
         mc = model.config
-        pool = KVPool(args.last - args.first, args.kv_cache_tokens + 1, mc.num_key_value_heads, mc.head_dim,
-                      dtype, device=args.device)
+        pool = KVPool(
+            args.last - args.first,
+            args.kv_cache_tokens + 1,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+            device=args.device,
+        )
         stage = StageModel(model, pool, args.first, args.last)
     except Exception as exc:
         traceback.print_exc()
@@ -473,8 +549,7 @@ def stage_main(argv: list[str] | None = None) -> int:
         store.set(key, _one_line(exc))
         return 1
     store.set(key, "ok")
-    dist.init_process_group(backend_for(args.device), store=store, rank=rank, world_size=world,
-                            timeout=LINK_TIMEOUT)
+    dist.init_process_group(backend_for(args.device), store=store, rank=rank, world_size=world, timeout=LINK_TIMEOUT)
     try:
         serve(stage, rank, world, dtype, args.device)
     except Exception as exc:

@@ -83,8 +83,13 @@ def engine_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -
     return (total + head) * dtype.itemsize
 
 
-def activation_bytes(config: LingConfig, step_tokens: int, sample_rows: int, dtype: torch.dtype = torch.float32,
-                     quantize: str | None = None) -> int:
+def activation_bytes(
+    config: LingConfig,
+    step_tokens: int,
+    sample_rows: int,
+    dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
+) -> int:
     """Peak temporaries of one step of ``step_tokens`` rows of which ``sample_rows`` sample (both already
     padded to the 4-row minimum), following what the forward pass allocates:
 
@@ -99,8 +104,9 @@ def activation_bytes(config: LingConfig, step_tokens: int, sample_rows: int, dty
     d, v = config.hidden_size, config.vocab_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     width = config.moe_intermediate_size
-    shared = max(config.intermediate_size if config.first_k_dense_replace else 0,
-                 width * max(1, config.num_shared_experts))
+    shared = max(
+        config.intermediate_size if config.first_k_dense_replace else 0, width * max(1, config.num_shared_experts)
+    )
     per_token = size * (6 * d + 3 * qkv + 3 * shared) + 4 * 3 * d
     per_slot = size * (2 * d + 3 * width) + 4 * d
     routed = config.num_experts_per_tok if config.num_experts else 0
@@ -111,8 +117,9 @@ def activation_bytes(config: LingConfig, step_tokens: int, sample_rows: int, dty
     return acts + sample_rows * v * (size + 3 * 4)
 
 
-def check_weights_fit(config: LingConfig, *, dtype: torch.dtype, quantize: str | None,
-                      available_bytes: int | None = None) -> None:
+def check_weights_fit(
+    config: LingConfig, *, dtype: torch.dtype, quantize: str | None, available_bytes: int | None = None
+) -> None:
     """The part of the plan that needs no requests: refuse at once, before any file is opened for output or
     any weight byte is read, a model whose weights and load buffers alone exceed the available memory."""
     if available_bytes is None:
@@ -123,17 +130,31 @@ def check_weights_fit(config: LingConfig, *, dtype: torch.dtype, quantize: str |
         raise _too_big(weights, loader, dtype, quantize, available_bytes)
 
 
-def _too_big(weights: int, temporaries: int, dtype: torch.dtype, quantize: str | None,
-             available_bytes: int) -> LingctlError:
+def _too_big(
+    weights: int, temporaries: int, dtype: torch.dtype, quantize: str | None, available_bytes: int
+) -> LingctlError:
     hint = "try --quantize int8" if quantize is None else "use a machine with more memory, or --stages on several"
-    return LingctlError(f"the model needs {format_size(weights)} of weights ({str(dtype).removeprefix('torch.')}"
-                        f"{', int8' if quantize else ''}) + {format_size(temporaries)} of engine copies, activations "
-                        f"and load buffers; {format_size(available_bytes)} is available", hint=hint)
+    return LingctlError(
+        f"the model needs {format_size(weights)} of weights ({str(dtype).removeprefix('torch.')}"
+        f"{', int8' if quantize else ''}) + {format_size(temporaries)} of engine copies, activations "
+        f"and load buffers; {format_size(available_bytes)} is available",
+        hint=hint,
+    )
 
 
-def plan_memory(config: LingConfig, *, dtype: torch.dtype, quantize: str | None, kv_cache_tokens: int | None,
-                max_batch_tokens: int, max_seqs: int, batch_kv_tokens: int, largest_request_tokens: int,
-                available_bytes: int | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(
+    config: LingConfig,
+    *,
+    dtype: torch.dtype,
+    quantize: str | None,
+    kv_cache_tokens: int | None,
+    max_batch_tokens: int,
+    max_seqs: int,
+    batch_kv_tokens: int,
+    largest_request_tokens: int,
+    available_bytes: int | None = None,
+    runtime_bytes: int | None = None,
+) -> MemoryPlan:
     """The plan, or a one-line LingctlError saying what does not fit and what to try. ``max_batch_tokens``
     and ``max_seqs`` are what one step can hold at most (callers cap them by what the batch has);
     ``runtime_bytes`` defaults to this process's resident memory now, which is why the caller plans after
@@ -157,18 +178,34 @@ def plan_memory(config: LingConfig, *, dtype: torch.dtype, quantize: str | None,
     else:
         kv_tokens = kv_cache_tokens
         if kv_tokens > budget:
-            raise LingctlError(f"--kv-cache-tokens {kv_tokens} needs {format_size(kv_tokens * per_token)}; only "
-                               f"{format_size(int(left * HEADROOM))} is left after weights and activations",
-                               hint=f"use at most --kv-cache-tokens {budget}")
+            raise LingctlError(
+                f"--kv-cache-tokens {kv_tokens} needs {format_size(kv_tokens * per_token)}; only "
+                f"{format_size(int(left * HEADROOM))} is left after weights and activations",
+                hint=f"use at most --kv-cache-tokens {budget}",
+            )
     if kv_tokens < largest_request_tokens:
-        raise LingctlError(f"the KV cache holds {kv_tokens} tokens but the largest request needs "
-                           f"{largest_request_tokens} (prompt + 1)",
-                           hint="raise --kv-cache-tokens, or lower max_tokens/shorten that prompt")
+        raise LingctlError(
+            f"the KV cache holds {kv_tokens} tokens but the largest request needs "
+            f"{largest_request_tokens} (prompt + 1)",
+            hint="raise --kv-cache-tokens, or lower max_tokens/shorten that prompt",
+        )
     kv_tokens = max(1, kv_tokens)
     kv = kv_tokens * per_token
-    return MemoryPlan(params=config.num_parameters(), active_params=config.num_parameters(active=True),
-                      dtype=str(dtype).removeprefix("torch."), quantize=quantize, runtime_bytes=runtime_bytes, weights_bytes=weights,
-                      loader_bytes=loader, engine_bytes=engine, activation_bytes=acts, kv_bytes_per_token=per_token,
-                      kv_tokens=kv_tokens, kv_bytes=kv, total_bytes=runtime_bytes + weights + max(loader, engine + acts + kv),
-                      available_bytes=available_bytes, batch_kv_tokens=batch_kv_tokens,
-                      largest_request_tokens=largest_request_tokens)
+    return MemoryPlan(
+        params=config.num_parameters(),
+        active_params=config.num_parameters(active=True),
+        dtype=str(dtype).removeprefix("torch."),
+        quantize=quantize,
+        runtime_bytes=runtime_bytes,
+        weights_bytes=weights,
+        loader_bytes=loader,
+        engine_bytes=engine,
+        activation_bytes=acts,
+        kv_bytes_per_token=per_token,
+        kv_tokens=kv_tokens,
+        kv_bytes=kv,
+        total_bytes=runtime_bytes + weights + max(loader, engine + acts + kv),
+        available_bytes=available_bytes,
+        batch_kv_tokens=batch_kv_tokens,
+        largest_request_tokens=largest_request_tokens,
+    )

@@ -73,7 +73,7 @@ def plan_prefixes(prompts: list[list[int]], block: int, *, min_users: int = 2) -
     for ids in prompts:
         node, path = root, []
         for b in range((len(ids) - 1) // block):
-            key = tuple(ids[b * block:(b + 1) * block])
+            key = tuple(ids[b * block : (b + 1) * block])
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(node.depth + 1)
@@ -95,20 +95,26 @@ def plan_prefixes(prompts: list[list[int]], block: int, *, min_users: int = 2) -
             return True
         return sum(1 for c in n.children.values() if c.count >= min_users) != 1
 
-    for ids, path, node in zip(prompts, paths, deepest):
-        if node is None:
+    for ids, path, deep in zip(prompts, paths, deepest):
+        if deep is None:
             plan.of_request.append(None)
             continue
         parent: int | None = None
         prev_depth = 0
-        for n in path[:node.depth]:
+        for n in path[: deep.depth]:
             if not boundary(n):
                 continue
             if n.entry is None:
                 n.entry = len(plan.entries)
-                plan.entries.append(PrefixEntry(index=n.entry, parent=parent, start=prev_depth * block,
-                                                tokens=list(ids[prev_depth * block:n.depth * block])))
+                plan.entries.append(
+                    PrefixEntry(
+                        index=n.entry,
+                        parent=parent,
+                        start=prev_depth * block,
+                        tokens=list(ids[prev_depth * block : n.depth * block]),
+                    )
+                )
             parent, prev_depth = n.entry, n.depth
             plan.entries[n.entry].users += 1
-        plan.of_request.append(node.entry)
+        plan.of_request.append(deep.entry)
     return plan

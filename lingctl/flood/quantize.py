@@ -49,8 +49,15 @@ class Int8Linear(nn.Module):
     writing into it changes nothing.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, *,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         if not dtype.is_floating_point:
             raise ValueError(f"Int8Linear: dtype for scales and bias must be floating point, got {dtype}")
@@ -107,8 +114,10 @@ class Int8Linear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, scale_dtype={self.scale.dtype}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scale_dtype={self.scale.dtype}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,7 +143,7 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def eligible_linears(model: nn.Module, include_head: bool) -> list[str]:
-    head = getattr(model, "lm_head", None)
+    head: nn.Module | None = getattr(model, "lm_head", None)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     names = []
     for name, module in model.named_modules():
@@ -162,8 +171,9 @@ def quantize_model_(model: nn.Module, dtype: torch.dtype, *, include_head: bool 
     """
     bytes_before = model_bytes(model)
     names = eligible_linears(model, include_head)
-    if include_head and "lm_head" in names and hasattr(model, "normalize_head_"):
-        model.normalize_head_()
+    normalize_head = getattr(model, "normalize_head_", None)
+    if include_head and "lm_head" in names and normalize_head is not None:
+        normalize_head()
     layers = params = 0
     for name in names:
         parent_name, _, child = name.rpartition(".")
@@ -177,6 +187,7 @@ def quantize_model_(model: nn.Module, dtype: torch.dtype, *, include_head: bool 
 
 
 # -- size estimates from the config alone ---------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class _LinearShape:
@@ -216,8 +227,9 @@ def _other_params(config: LingConfig) -> int:
 
 def dense_weight_bytes(config: LingConfig, dtype: torch.dtype) -> int:
     """Bytes of ``LingForCausalLM(config)``'s weights with every tensor in ``dtype``."""
-    linear = sum(s.count * (s.out_features * s.in_features + (s.out_features if s.bias else 0))
-                 for s in _linear_shapes(config))
+    linear = sum(
+        s.count * (s.out_features * s.in_features + (s.out_features if s.bias else 0)) for s in _linear_shapes(config)
+    )
     head = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     return (linear + _other_params(config) + head) * dtype.itemsize
 
@@ -226,8 +238,10 @@ def int8_weight_bytes(config: LingConfig, dtype: torch.dtype, *, include_head: b
     """Bytes of the same model after ``quantize_model_(model, dtype, include_head=...)`` on a model whose
     other tensors are in ``dtype``: int8 matrices, one ``dtype`` scale per output row, biases in ``dtype``."""
     size = dtype.itemsize
-    linear = sum(s.count * (s.out_features * s.in_features + size * s.out_features * (1 + s.bias))
-                 for s in _linear_shapes(config))
+    linear = sum(
+        s.count * (s.out_features * s.in_features + size * s.out_features * (1 + s.bias))
+        for s in _linear_shapes(config)
+    )
     v, d = config.vocab_size, config.hidden_size
     if config.tie_word_embeddings:
         head = 0  # shares the embedding, which stays in dtype

@@ -66,8 +66,11 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # Field -> (default, can the sampler run this value, what the value must be). null means the default.
 _NUMBERS: dict[str, tuple[float, Callable[[float], bool], str]] = {
-    "temperature": (1.0, lambda x: x == 0 or MIN_TEMPERATURE <= x <= 2,
-                    f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 2"),
+    "temperature": (
+        1.0,
+        lambda x: x == 0 or MIN_TEMPERATURE <= x <= 2,
+        f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 2",
+    ),
     "top_p": (1.0, lambda x: MIN_TOP_P <= x <= 1, f"a number from {MIN_TOP_P:g} to 1"),
 }
 
@@ -128,15 +131,26 @@ def read_batch(path: Path) -> Batch:
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    errors.append(RequestError(line=number, custom_id=None, code=INVALID_JSON,
-                                               message=f"line is not UTF-8 (byte 0x{raw[exc.start]:02x} "
-                                                       f"at offset {exc.start})"))
+                    errors.append(
+                        RequestError(
+                            line=number,
+                            custom_id=None,
+                            code=INVALID_JSON,
+                            message=f"line is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+                        )
+                    )
                     continue
                 parsed = parse_line(text, number)
                 cid = parsed.custom_id
                 if cid is not None and cid in seen:
-                    errors.append(RequestError(line=number, custom_id=cid, code=DUPLICATE_CUSTOM_ID,
-                                               message=f"custom_id {_show(cid)} is used by an earlier line"))
+                    errors.append(
+                        RequestError(
+                            line=number,
+                            custom_id=cid,
+                            code=DUPLICATE_CUSTOM_ID,
+                            message=f"custom_id {_show(cid)} is used by an earlier line",
+                        )
+                    )
                     continue
                 if cid is not None:
                     seen.add(cid)
@@ -154,15 +168,20 @@ def parse_line(text: str, line: int) -> Request | RequestError:
     try:
         obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        return RequestError(line=line, custom_id=None, code=INVALID_JSON,
-                            message=f"not valid JSON: {exc.msg} at column {exc.colno}")
+        return RequestError(
+            line=line, custom_id=None, code=INVALID_JSON, message=f"not valid JSON: {exc.msg} at column {exc.colno}"
+        )
     except ValueError as exc:
         return RequestError(line=line, custom_id=None, code=INVALID_JSON, message=f"not valid JSON: {exc}")
     except RecursionError:
         return RequestError(line=line, custom_id=None, code=INVALID_JSON, message="JSON nested too deeply")
     if not isinstance(obj, dict):
-        return RequestError(line=line, custom_id=None, code=INVALID_REQUEST,
-                            message=f"a request must be a JSON object, got {_show(obj)}")
+        return RequestError(
+            line=line,
+            custom_id=None,
+            code=INVALID_REQUEST,
+            message=f"a request must be a JSON object, got {_show(obj)}",
+        )
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         what = "custom_id is missing" if cid is None else f"custom_id must be a non-empty string, got {_show(cid)}"
@@ -241,8 +260,12 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise _Invalid(f"messages[{i}].role must be a non-empty string, got {_show(role)}")
-        out.append({"role": _text(role, f"messages[{i}].role"),
-                    "content": _content(message.get("content"), f"messages[{i}].content")})
+        out.append(
+            {
+                "role": _text(role, f"messages[{i}].role"),
+                "content": _content(message.get("content"), f"messages[{i}].content"),
+            }
+        )
     return out
 
 
@@ -280,15 +303,20 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
         raise _Invalid(f"seed must be a 64-bit integer, got {_show(seed)}")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                          seed=seed, stop=_stop(body.get("stop")))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        seed=seed,
+        stop=_stop(body.get("stop")),
+    )
 
 
 def _stop(value: Any) -> list[str]:
     stops = [value] if isinstance(value, str) else [] if value is None else value
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
-        raise _Invalid(f"stop must be a non-empty string or an array of up to {MAX_STOP} of them, "
-                       f"got {_show(value)}")
+        raise _Invalid(f"stop must be a non-empty string or an array of up to {MAX_STOP} of them, got {_show(value)}")
     return [_text(s, "stop" if isinstance(value, str) else f"stop[{i}]") for i, s in enumerate(stops)]
 
 
@@ -309,8 +337,10 @@ def _text(value: str, where: str) -> str:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise _Invalid(f"{where} is not valid Unicode: a lone surrogate "
-                           f"{ascii(value[exc.start])[1:-1]} at character {exc.start}") from None
+            raise _Invalid(
+                f"{where} is not valid Unicode: a lone surrogate "
+                f"{ascii(value[exc.start])[1:-1]} at character {exc.start}"
+            ) from None
     return value
 
 
@@ -334,4 +364,4 @@ def _show(value: Any) -> str:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: shown as its JSON escape, so the message stays UTF-8
             text = json.dumps(value)
-    return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 1] + "…"
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 1] + "…"

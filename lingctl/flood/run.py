@@ -131,8 +131,13 @@ class _Job:
 
 def _manifest(opts: FloodOptions, md: ModelDir, batch_name: str, template: str | None) -> dict[str, Any]:
     return {
-        "engine": ENGINE_VERSION, "model": str(md.path), "model_fingerprint": md.fingerprint(),
-        "dtype": opts.dtype, "quantize": opts.quantize, "prompt_chunk": opts.chunk, "batch": batch_name,
+        "engine": ENGINE_VERSION,
+        "model": str(md.path),
+        "model_fingerprint": md.fingerprint(),
+        "dtype": opts.dtype,
+        "quantize": opts.quantize,
+        "prompt_chunk": opts.chunk,
+        "batch": batch_name,
         # The template in effect (--chat-template or the model's): it decides every chat prompt.
         "chat_template_sha256": None if template is None else hashlib.sha256(template.encode()).hexdigest(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -149,29 +154,56 @@ def _read_template(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"--chat-template {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
-                         f"{exc.start})") from None
+        raise UsageError(
+            f"--chat-template {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
 
 
 def _body(job: _Job, res: GenResult, codec: TextCodec, model_name: str) -> dict[str, Any]:
     text = res.stop_text if res.stop_text is not None else codec.decode(res.token_ids)
-    usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
-             "total_tokens": res.prompt_tokens + len(res.token_ids),
-             "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+    usage = {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": len(res.token_ids),
+        "total_tokens": res.prompt_tokens + len(res.token_ids),
+        "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+    }
     created = int(time.time())
     model = job.req.model or model_name
     if job.req.is_chat:
-        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": created,
-                "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                             "finish_reason": res.finish_reason, "logprobs": None,
-                                             "token_ids": res.token_ids}], "usage": usage}
-    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": res.finish_reason, "logprobs": None,
-                         "token_ids": res.token_ids}], "usage": usage}
+        return {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": res.finish_reason,
+                    "logprobs": None,
+                    "token_ids": res.token_ids,
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": f"cmpl-{secrets.token_hex(12)}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "finish_reason": res.finish_reason, "logprobs": None, "token_ids": res.token_ids}
+        ],
+        "usage": usage,
+    }
 
 
-def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSummary], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> FloodSummary:
+def run_batch(
+    opts: FloodOptions,
+    *,
+    on_progress: Callable[[EngineStats, FloodSummary], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> FloodSummary:
     opts.validate()
     dtype = parse_dtype(opts.dtype)
     batch = read_batch(opts.batch)
@@ -181,12 +213,18 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
     if not opts.dry_run:
         md.check_weights()
     template = _read_template(opts.chat_template) if opts.chat_template is not None else md.chat_template()
-    codec = TextCodec.for_model(md.path, chat_template=template, special_tokens=md.special_tokens(),
-                                limits=opts.template_limits)
+    codec = TextCodec.for_model(
+        md.path, chat_template=template, special_tokens=md.special_tokens(), limits=opts.template_limits
+    )
     codec.check_template()
     out, errors = default_paths(opts.batch, opts.out, opts.errors)
-    summary = FloodSummary(out=str(out), errors=str(errors), requests=len(batch.requests),
-                           invalid_lines=len(batch.errors), dry_run=opts.dry_run)
+    summary = FloodSummary(
+        out=str(out),
+        errors=str(errors),
+        requests=len(batch.requests),
+        invalid_lines=len(batch.errors),
+        dry_run=opts.dry_run,
+    )
 
     output: BatchOutput | None = None
     if not opts.dry_run:  # a dry run opens no files; it plans for the whole batch
@@ -197,8 +235,13 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
         if output is not None:
             for err in batch.errors:
                 if err.line not in reported:
-                    output.write_error(custom_id=err.custom_id, line=err.line, code=err.code,
-                                       message=err.message, status_code=None if err.custom_id is None else 400)
+                    output.write_error(
+                        custom_id=err.custom_id,
+                        line=err.line,
+                        code=err.code,
+                        message=err.message,
+                        status_code=None if err.custom_id is None else 400,
+                    )
         todo = [req for req in batch.requests if req.custom_id not in done]
         summary.already_done = len(batch.requests) - len(todo)
         try:
@@ -227,14 +270,21 @@ def run_batch(opts: FloodOptions, *, on_progress: Callable[[EngineStats, FloodSu
             output.close()
 
 
-def _prompts(codec: TextCodec, requests: list[Request], output: BatchOutput | None, summary: FloodSummary,
-             should_stop: Callable[[], bool] | None) -> list[_Job]:
+def _prompts(
+    codec: TextCodec,
+    requests: list[Request],
+    output: BatchOutput | None,
+    summary: FloodSummary,
+    should_stop: Callable[[], bool] | None,
+) -> list[_Job]:
     """Token ids of each request; one that cannot be rendered or tokenized gets its error line at once."""
     jobs: list[_Job] = []
     for req in requests:
         if should_stop is not None and should_stop():
-            raise Interrupted("interrupted while preparing prompts; every answer written so far is kept",
-                              hint="continue with the same command plus --resume")
+            raise Interrupted(
+                "interrupted while preparing prompts; every answer written so far is kept",
+                hint="continue with the same command plus --resume",
+            )
         try:
             jobs.append(_Job(req, codec.prompt_ids(req)))
             continue
@@ -269,15 +319,30 @@ def _plan(opts: FloodOptions, md: ModelDir, jobs: list[_Job], dtype: torch.dtype
     saved = plan_prefixes([j.ids for j in jobs], opts.chunk).tokens_saved if opts.prefix_sharing and jobs else 0
     # A step never holds more than the batch has: every prompt token plus one decode token per request.
     step_tokens = min(opts.max_batch_tokens, sum(len(j.ids) for j in jobs) + len(jobs))
-    return plan_memory(md.config, dtype=dtype, quantize=opts.quantize, kv_cache_tokens=opts.kv_cache_tokens,
-                       max_batch_tokens=step_tokens, max_seqs=min(opts.max_seqs, max(1, len(jobs))),
-                       batch_kv_tokens=max(1, sum(sizes) - saved), largest_request_tokens=largest)
+    return plan_memory(
+        md.config,
+        dtype=dtype,
+        quantize=opts.quantize,
+        kv_cache_tokens=opts.kv_cache_tokens,
+        max_batch_tokens=step_tokens,
+        max_seqs=min(opts.max_seqs, max(1, len(jobs))),
+        batch_kv_tokens=max(1, sum(sizes) - saved),
+        largest_request_tokens=largest,
+    )
 
 
-def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Job], plan: MemoryPlan,
-              dtype: torch.dtype, output: BatchOutput, summary: FloodSummary,
-              on_progress: Callable[[EngineStats, FloodSummary], None] | None,
-              should_stop: Callable[[], bool] | None) -> None:
+def _generate(
+    opts: FloodOptions,
+    md: ModelDir,
+    codec: TextCodec,
+    jobs: list[_Job],
+    plan: MemoryPlan,
+    dtype: torch.dtype,
+    output: BatchOutput,
+    summary: FloodSummary,
+    on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+    should_stop: Callable[[], bool] | None,
+) -> None:
     if not jobs:
         return
     previous_threads = torch.get_num_threads()
@@ -287,35 +352,61 @@ def _generate(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Jo
         torch.set_num_threads(previous_threads)  # a library call leaves the process as it found it
 
 
-def _generate_with_threads(opts: FloodOptions, md: ModelDir, codec: TextCodec, jobs: list[_Job], plan: MemoryPlan,
-                           dtype: torch.dtype, output: BatchOutput, summary: FloodSummary,
-                           on_progress: Callable[[EngineStats, FloodSummary], None] | None,
-                           should_stop: Callable[[], bool] | None) -> None:
+def _generate_with_threads(
+    opts: FloodOptions,
+    md: ModelDir,
+    codec: TextCodec,
+    jobs: list[_Job],
+    plan: MemoryPlan,
+    dtype: torch.dtype,
+    output: BatchOutput,
+    summary: FloodSummary,
+    on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+    should_stop: Callable[[], bool] | None,
+) -> None:
     # --threads N fixes the count; otherwise it is the cores other processes leave free (flood/threads.py).
     # With stages, the stage processes compute; this one only schedules and samples, on one thread.
     policy = ThreadPolicy.for_run(opts.threads if opts.stages == 1 else 1, opts.dtype, opts.quantize)
     policy.prepare()
-    config = EngineConfig(kv_cache_tokens=plan.kv_tokens, max_batch_tokens=opts.max_batch_tokens,
-                          max_seqs=opts.max_seqs, chunk=opts.chunk, prefix_sharing=opts.prefix_sharing,
-                          stages=opts.stages)
+    config = EngineConfig(
+        kv_cache_tokens=plan.kv_tokens,
+        max_batch_tokens=opts.max_batch_tokens,
+        max_seqs=opts.max_seqs,
+        chunk=opts.chunk,
+        prefix_sharing=opts.prefix_sharing,
+        stages=opts.stages,
+    )
     stage_n = 0
     if opts.stages > 1:
         from lingctl.flood.pipeline import PipelineRunner
 
         stage_n = opts.threads or stage_threads(opts.stages, opts.dtype, opts.quantize)
-        runner: Any = PipelineRunner(md.path, stages=opts.stages, dtype=dtype, quantize=opts.quantize,
-                                     kv_cache_tokens=plan.kv_tokens, threads_per_stage=stage_n)
+        runner: Any = PipelineRunner(
+            md.path,
+            stages=opts.stages,
+            dtype=dtype,
+            quantize=opts.quantize,
+            kv_cache_tokens=plan.kv_tokens,
+            threads_per_stage=stage_n,
+        )
     else:
         model, load = md.load_with_stats(dtype=dtype, quantize=opts.quantize)
         summary.load_seconds, summary.load_bytes_read = load.seconds, load.bytes_read
         c = md.config
-        runner = LocalRunner(model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads,
-                                           c.head_dim, dtype))
-    engine = Engine(config, model_config=md.config, runner=runner, eos_ids=md.eos_ids(),
-                    stop_check=codec.stop_check if codec.tokenizer is not None else None)
+        runner = LocalRunner(
+            model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads, c.head_dim, dtype)
+        )
+    engine = Engine(
+        config,
+        model_config=md.config,
+        runner=runner,
+        eos_ids=md.eos_ids(),
+        stop_check=codec.stop_check if codec.tokenizer is not None else None,
+    )
     by_key = {id(j): j for j in jobs}
-    requests = [GenRequest(key=id(j), prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id)
-                for j in jobs]
+    requests = [
+        GenRequest(key=id(j), prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id) for j in jobs
+    ]
     model_name = _model_name(opts.model, md.path)
     policy.start()
     summary.threads = dataclasses.asdict(policy.report) if policy.report is not None else {}
@@ -357,8 +448,10 @@ def _generate_with_threads(opts: FloodOptions, md: ModelDir, codec: TextCodec, j
             summary.threads = {**summary.threads, **dataclasses.asdict(policy.report)}
     if summary.interrupted:
         output.close()
-        raise Interrupted(f"interrupted after {summary.succeeded + summary.failed} answers; every answer written "
-                          f"so far is kept", hint="continue with the same command plus --resume")
+        raise Interrupted(
+            f"interrupted after {summary.succeeded + summary.failed} answers; every answer written so far is kept",
+            hint="continue with the same command plus --resume",
+        )
 
 
 def _model_name(spec: Path | str, path: Path) -> str:
@@ -374,8 +467,9 @@ def _write_failure(output: BatchOutput, job: _Job, res: GenResult) -> None:
     message = res.error or "failed"
     if res.internal:
         log.warning("request %s failed: %s", printable(job.req.custom_id), message)
-        output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="internal_error", message=message,
-                           status_code=500)
+        output.write_error(
+            custom_id=job.req.custom_id, line=job.req.line, code="internal_error", message=message, status_code=500
+        )
     else:
         output.write_error(custom_id=job.req.custom_id, line=job.req.line, code="invalid_request", message=message)
 
@@ -384,9 +478,12 @@ class _StopRequested(Exception):
     """Raised from the step callback to leave the engine loop after a whole step."""
 
 
-def _progress(stats: EngineStats, summary: FloodSummary,
-              on_progress: Callable[[EngineStats, FloodSummary], None] | None,
-              should_stop: Callable[[], bool] | None) -> None:
+def _progress(
+    stats: EngineStats,
+    summary: FloodSummary,
+    on_progress: Callable[[EngineStats, FloodSummary], None] | None,
+    should_stop: Callable[[], bool] | None,
+) -> None:
     if on_progress is not None:
         on_progress(stats, summary)
     # Checked after every step, not only when a request finishes: a long prefill must stop promptly too.

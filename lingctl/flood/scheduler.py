@@ -78,8 +78,18 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, alloc: SegmentAllocator, *, scratch_slot: int, chunk: int, max_batch_tokens: int,
-                 max_seqs: int, output_reserve: int, growth: int, prefixes: PrefixPlan | None) -> None:
+    def __init__(
+        self,
+        alloc: SegmentAllocator,
+        *,
+        scratch_slot: int,
+        chunk: int,
+        max_batch_tokens: int,
+        max_seqs: int,
+        output_reserve: int,
+        growth: int,
+        prefixes: PrefixPlan | None,
+    ) -> None:
         self.alloc = alloc
         self.scratch_slot = scratch_slot
         self.chunk = chunk
@@ -129,7 +139,7 @@ class Scheduler:
             budget -= self._take(seq, step, budget)
         if not step.batch.units:
             return None
-        for seq, n in step.members:
+        for seq, _n in step.members:
             seq.in_flight = True
         step.batch.pad(self.scratch_slot)
         self.stats.padded_rows += len(step.batch.token_ids) - step.batch.real_tokens
@@ -174,7 +184,7 @@ class Scheduler:
             q_start = len(batch.token_ids)
             batch.slots += seq.kv.slots_for_next(n)
             seq.kv.advance(n)
-            batch.token_ids += seq.tokens[pos:pos + n]
+            batch.token_ids += seq.tokens[pos : pos + n]
             batch.positions += range(pos, pos + n)
             batch.units.append(AttentionUnit(q_start, n, seq.kv.ranges()))
             if pos < seq.prompt_len:
@@ -242,8 +252,16 @@ class Scheduler:
         tokens: list[int] = []
         for i in self.plan.chain(entry):
             tokens += self.plan.entries[i].tokens
-        p = Sequence(index=-1 - entry, key=None, tokens=tokens, prompt_len=len(tokens),
-                     sampling=SamplingParams(), max_new=0, prefix=e.parent, is_prefix=True)
+        p = Sequence(
+            index=-1 - entry,
+            key=None,
+            tokens=tokens,
+            prompt_len=len(tokens),
+            sampling=SamplingParams(),
+            max_new=0,
+            prefix=e.parent,
+            is_prefix=True,
+        )
         p.shared_len = e.start
         p.computed = e.start
         return p

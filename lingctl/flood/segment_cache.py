@@ -81,8 +81,10 @@ class SegmentAllocator:
         chosen = first
         if n < self.good_fit * self._free[first][1]:
             # min() keeps the first of equal lengths, and the list is sorted by start: ties -> lowest start.
-            chosen = min(range(first, len(self._free)),
-                         key=lambda i: self._free[i][1] if self._free[i][1] >= n else self.capacity + 1)
+            chosen = min(
+                range(first, len(self._free)),
+                key=lambda i: self._free[i][1] if self._free[i][1] >= n else self.capacity + 1,
+            )
         start, length = self._free[chosen]
         if length == n:
             del self._free[chosen]
@@ -127,8 +129,10 @@ class SegmentAllocator:
         """
         self._check_live(seg, "shrink")
         if not max(seg.used, 1) <= new_length <= seg.length:
-            raise ValueError(f"cannot shrink segment at {seg.start} (used {seg.used}, length {seg.length}) "
-                             f"to {new_length}: need max(used, 1) <= new_length <= length")
+            raise ValueError(
+                f"cannot shrink segment at {seg.start} (used {seg.used}, length {seg.length}) "
+                f"to {new_length}: need max(used, 1) <= new_length <= length"
+            )
         if new_length == seg.length:
             return
         tail = seg.length - new_length
@@ -163,8 +167,10 @@ class SegmentAllocator:
                 raise AssertionError(f"free block ({start}, {length}) is empty or outside [0, {self.capacity})")
             if start <= prev_end:
                 # ``==`` means two adjacent blocks that should have merged; ``<`` an overlap or bad order.
-                raise AssertionError(f"free block ({start}, {length}) starts at or before the previous end "
-                                     f"{prev_end}: free list {self._free}")
+                raise AssertionError(
+                    f"free block ({start}, {length}) starts at or before the previous end "
+                    f"{prev_end}: free list {self._free}"
+                )
             prev_end = start + length
             total += length
         if total != self._free_slots:
@@ -188,8 +194,10 @@ class SegmentAllocator:
 
     def _check_live(self, seg: Segment, op: str) -> None:
         if self._live.get(seg.start) is not seg:
-            raise ValueError(f"cannot {op} segment {seg}: not a live segment of this allocator "
-                             "(already freed, or handed out elsewhere)")
+            raise ValueError(
+                f"cannot {op} segment {seg}: not a live segment of this allocator "
+                "(already freed, or handed out elsewhere)"
+            )
 
     def _release(self, start: int, length: int) -> None:
         """Insert a free block, merging with the block that ends at ``start`` and the one that begins at
@@ -253,15 +261,16 @@ class SequenceKV:
 
     def _check_room(self, n: int) -> None:
         if n < 0 or n > self.capacity_left():
-            raise ValueError(f"{n} tokens do not fit in the last own segment ({self.capacity_left()} free); "
-                             "call grow() first")
+            raise ValueError(
+                f"{n} tokens do not fit in the last own segment ({self.capacity_left()} free); call grow() first"
+            )
 
 
 class Growth(enum.Enum):
-    FITS = "fits"          # the last own segment already had room; nothing changed
+    FITS = "fits"  # the last own segment already had room; nothing changed
     EXTENDED = "extended"  # the last own segment grew in place
     APPENDED = "appended"  # a new own segment was added and is now the last one
-    WAIT = "wait"          # no room anywhere; nothing changed (the scheduler waits or preempts)
+    WAIT = "wait"  # no room anywhere; nothing changed (the scheduler waits or preempts)
 
 
 def grow(alloc: SegmentAllocator, seq: SequenceKV, need: int, chunk: int) -> Growth:
@@ -308,11 +317,20 @@ class KVPool:
     """``k[layer]``, ``v[layer]``: ``[capacity, K, Dh]`` tensors, allocated once (``torch.empty``: slots are
     written before they are read). One tensor per layer keeps every slot range a contiguous view."""
 
-    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if min(num_layers, capacity, num_kv_heads, head_dim) < 1:
-            raise ValueError(f"KVPool sizes must be >= 1, got num_layers={num_layers}, capacity={capacity}, "
-                             f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
+            raise ValueError(
+                f"KVPool sizes must be >= 1, got num_layers={num_layers}, capacity={capacity}, "
+                f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
+            )
         self.num_layers = num_layers
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads

@@ -28,8 +28,9 @@ class TextCodec:
     _renderer: TemplateRenderer | None = field(default=None, init=False, repr=False)
 
     @staticmethod
-    def for_model(path: Path, *, chat_template: str | None, special_tokens: dict[str, str],
-                  limits: TemplateLimits | None = None) -> TextCodec:
+    def for_model(
+        path: Path, *, chat_template: str | None, special_tokens: dict[str, str], limits: TemplateLimits | None = None
+    ) -> TextCodec:
         tok = None
         if (path / "tokenizer.json").exists():
             from lingctl.train.tokenizer import load_tokenizer
@@ -54,13 +55,16 @@ class TextCodec:
             raise PromptError("the model has no tokenizer.json: send prompts as arrays of token ids")
         if req.is_chat:
             if self.chat_template is None:
-                raise PromptError("the model has no chat template (tokenizer_config.json chat_template or "
-                                  "chat_template.jinja); pass --chat-template FILE or use /v1/completions")
+                raise PromptError(
+                    "the model has no chat template (tokenizer_config.json chat_template or "
+                    "chat_template.jinja); pass --chat-template FILE or use /v1/completions"
+                )
             if self._renderer is None:
                 self._renderer = TemplateRenderer(self.chat_template, self.limits)
             try:
-                text = self._renderer.render(req.messages or [], add_generation_prompt=True,
-                                             special_tokens=self.special_tokens)
+                text = self._renderer.render(
+                    req.messages or [], add_generation_prompt=True, special_tokens=self.special_tokens
+                )
             except RenderError as exc:
                 raise PromptError(str(exc)) from None
             # The template already holds whatever special tokens the model expects.
@@ -77,4 +81,4 @@ class TextCodec:
         """Text before the earliest stop string, once one has appeared; else None."""
         text = self.decode(generated)
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return text[:min(hits)] if hits else None
+        return text[: min(hits)] if hits else None

@@ -62,8 +62,9 @@ def results_follow_load_safely(dtype_name: str, quantize: str | None = None) -> 
     return False
 
 
-def choose_threads(usable_cores: float, others_cores: float, *, margin: float = 0.25,
-                   max_threads: int | None = None) -> int:
+def choose_threads(
+    usable_cores: float, others_cores: float, *, margin: float = 0.25, max_threads: int | None = None
+) -> int:
     """Whole cores left free by others: ``floor(usable - others + margin)``, at least 1, at most the usable
     cores (or ``max_threads``). ``margin``: how much of a core others may use while it still counts as free
     (a shell, a logger); above it the core goes to them."""
@@ -118,9 +119,16 @@ class ThreadPolicy:
     step, :meth:`between_steps` after each step (cheap: a clock read, and one /proc/stat read every
     ``recheck_s`` at most). A count given up front (``fixed``) is set and never changed."""
 
-    def __init__(self, config: ThreadPolicyConfig | None = None, *, fixed: int | None = None,
-                 why_fixed: str = "--threads", set_threads: Callable[[int], None] = _torch_set_threads,
-                 clock: Callable[[], float] = time.monotonic, meter: LoadMeter | None = None) -> None:
+    def __init__(
+        self,
+        config: ThreadPolicyConfig | None = None,
+        *,
+        fixed: int | None = None,
+        why_fixed: str = "--threads",
+        set_threads: Callable[[int], None] = _torch_set_threads,
+        clock: Callable[[], float] = time.monotonic,
+        meter: LoadMeter | None = None,
+    ) -> None:
         self.config = config or ThreadPolicyConfig()
         self.fixed = fixed
         self.why_fixed = why_fixed
@@ -159,8 +167,13 @@ class ThreadPolicy:
         self._started = self._clock()
         if self.fixed is not None:
             self.threads = self.fixed
-            self.report = ThreadReport(threads=self.fixed, source=self.why_fixed, others_cores=None,
-                                       usable_cores=read_budget().usable_cores, final_threads=self.fixed)
+            self.report = ThreadReport(
+                threads=self.fixed,
+                source=self.why_fixed,
+                others_cores=None,
+                usable_cores=read_budget().usable_cores,
+                final_threads=self.fixed,
+            )
             self._set(self.fixed)
             if self.why_fixed != "--threads":
                 log.info("compute threads: %d (%s; give --threads to choose)", self.fixed, self.why_fixed)
@@ -173,12 +186,21 @@ class ThreadPolicy:
             load = self._meter.read()
         usable = self._meter.budget.usable_cores
         self.threads = self.decide(load, usable)
-        self.report = ThreadReport(threads=self.threads, source="free cores",
-                                   others_cores=None if load is None else round(load.others_cores, 2),
-                                   usable_cores=usable, final_threads=self.threads)
+        self.report = ThreadReport(
+            threads=self.threads,
+            source="free cores",
+            others_cores=None if load is None else round(load.others_cores, 2),
+            usable_cores=usable,
+            final_threads=self.threads,
+        )
         self._set(self.threads)
-        log.info("compute threads: %d of %g usable cores (%s; re-decided every %g s)", self.threads, usable,
-                 cores_text(load), self.config.recheck_s)
+        log.info(
+            "compute threads: %d of %g usable cores (%s; re-decided every %g s)",
+            self.threads,
+            usable,
+            cores_text(load),
+            self.config.recheck_s,
+        )
         if load is not None:
             self._next = self._started + self.config.recheck_s
         self._last_step = self._started
@@ -215,8 +237,9 @@ class ThreadPolicy:
         self._typical_step = None  # another count, other step times
         if self.report is not None:
             self.report.final_threads = n
-            self.report.changes.append(ThreadChange(at_s=round(now - self._started, 2), threads=n,
-                                                    others_cores=round(load.others_cores, 2)))
+            self.report.changes.append(
+                ThreadChange(at_s=round(now - self._started, 2), threads=n, others_cores=round(load.others_cores, 2))
+            )
 
     def _slow(self, step: float) -> bool:
         """Whether this step took far longer than the recent ones (whose typical time it then joins)."""

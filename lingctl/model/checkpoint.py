@@ -23,8 +23,17 @@ from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.core.units import parse_size
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import (DEFAULT_MAX_SHARD_SIZE, LING_CODE_REPO, generation_config, hf_config,
-                                    index_json, plan_shards, shard_names, tensor_bytes, tokenizer_files)
+from lingctl.model.hf_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LING_CODE_REPO,
+    generation_config,
+    hf_config,
+    index_json,
+    plan_shards,
+    shard_names,
+    tensor_bytes,
+    tokenizer_files,
+)
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import Dispatch
 from lingctl.model.safetensors_io import DEFAULT_METADATA, load_safetensors, read_header, write_safetensors
@@ -59,10 +68,16 @@ def model_state(model: LingForCausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(model: LingForCausalLM, directory: Path, *, tokenizer_json: str | None = None,
-                    dtype: torch.dtype | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                    tokenizer_config: Mapping[str, Any] | None = None,
-                    code_repo: str | None = LING_CODE_REPO) -> None:
+def save_checkpoint(
+    model: LingForCausalLM,
+    directory: Path,
+    *,
+    tokenizer_json: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer_config: Mapping[str, Any] | None = None,
+    code_repo: str | None = LING_CODE_REPO,
+) -> None:
     """Write a complete checkpoint directory in the Hugging Face layout (see ``hf_files``).
 
     Each file is written atomically, weights first and ``config.json`` last, so a directory with a config is
@@ -92,8 +107,7 @@ def save_checkpoint(model: LingForCausalLM, directory: Path, *, tokenizer_json: 
     if tokenizer_json is not None:
         with atomic_write(directory / TOKENIZER) as (_, f):
             f.write(tokenizer_json.encode())
-        files = tokenizer_files(tokenizer_json, model_max_length=config.max_position_embeddings,
-                                base=tokenizer_config)
+        files = tokenizer_files(tokenizer_json, model_max_length=config.max_position_embeddings, base=tokenizer_config)
         for name, content in files.items():
             _write_json(directory / name, content)
     _write_json(directory / GENERATION_CONFIG, generation_config(config))
@@ -120,8 +134,10 @@ def weight_files(directory: Path) -> dict[str, Path]:
         _, header = read_header(single)
         return {name: single for name in header if name != "__metadata__"}
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-        raise LingctlError(f"{directory} holds pickled weights; only safetensors checkpoints are supported",
-                           hint="convert the checkpoint to safetensors first")
+        raise LingctlError(
+            f"{directory} holds pickled weights; only safetensors checkpoints are supported",
+            hint="convert the checkpoint to safetensors first",
+        )
     raise NotFoundError(f"no {WEIGHTS} or {WEIGHTS_INDEX} in {directory}")
 
 
@@ -136,11 +152,14 @@ def _check_names(directory: Path, files: dict[str, Path], expected: set[str]) ->
     missing = sorted(expected - files.keys())
     unexpected = sorted(files.keys() - expected)
     if missing:
-        raise LingctlError(f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
-                           f"e.g. {', '.join(missing[:3])}")
+        raise LingctlError(
+            f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {', '.join(missing[:3])}"
+        )
     if unexpected:
-        raise LingctlError(f"{directory}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
-                           f"e.g. {', '.join(unexpected[:3])}")
+        raise LingctlError(
+            f"{directory}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
+            f"e.g. {', '.join(unexpected[:3])}"
+        )
 
 
 def _tensors_by_file(files: dict[str, Path]) -> list[tuple[Path, list[str]]]:
@@ -150,8 +169,13 @@ def _tensors_by_file(files: dict[str, Path]) -> list[tuple[Path, list[str]]]:
     return sorted(by_file.items())
 
 
-def load_checkpoint(directory: Path, *, dtype: torch.dtype | None = None, dispatch: Dispatch = "sorted",
-                    device: str | torch.device = "cpu") -> LingForCausalLM:
+def load_checkpoint(
+    directory: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    dispatch: Dispatch = "sorted",
+    device: str | torch.device = "cpu",
+) -> LingForCausalLM:
     """The model in ``directory``: built on meta, weights assigned from the mmap'd files (strict: a missing
     or unexpected tensor is an error naming it)."""
     directory = Path(directory)
@@ -166,8 +190,9 @@ def load_checkpoint(directory: Path, *, dtype: torch.dtype | None = None, dispat
         for name, tensor in load_safetensors(path, names).items():
             want = params[name].shape
             if tuple(tensor.shape) != tuple(want):
-                raise LingctlError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                   f"config.json implies {tuple(want)}")
+                raise LingctlError(
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(want)}"
+                )
             if dtype is not None and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             state[name] = tensor.to(device) if torch.device(device).type != "cpu" else tensor
@@ -194,8 +219,9 @@ def load_weights_into(model: LingForCausalLM, directory: Path) -> int:
             for name, tensor in load_safetensors(path, names).items():
                 param = params[name]
                 if tuple(tensor.shape) != tuple(param.shape):
-                    raise LingctlError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the model's is "
-                                       f"{tuple(param.shape)}")
+                    raise LingctlError(
+                        f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the model's is {tuple(param.shape)}"
+                    )
                 param.copy_(tensor)
                 read += tensor.numel() * tensor.element_size()
     return read

@@ -95,9 +95,18 @@ class LingConfig:
     torch_dtype: str = "bfloat16"
 
     def validate(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "max_position_embeddings",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -105,20 +114,25 @@ class LingConfig:
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
             # NaN compares false both ways, so a plain "<= 0" would let it through into the rotary tables.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise UsageError(f"model config: {name} must be a finite number > 0, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UsageError(f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise UsageError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise UsageError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.num_experts_per_tok > self.num_experts:
-            raise UsageError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
-                             f"num_experts ({self.num_experts})")
+            raise UsageError(
+                f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                f"num_experts ({self.num_experts})"
+            )
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise UsageError(f"model config: first_k_dense_replace must be in [0, {self.num_hidden_layers}], "
-                             f"got {self.first_k_dense_replace}")
+            raise UsageError(
+                f"model config: first_k_dense_replace must be in [0, {self.num_hidden_layers}], "
+                f"got {self.first_k_dense_replace}"
+            )
         if self.first_k_dense_replace and (self.intermediate_size or 0) <= 0:
             raise UsageError("model config: intermediate_size must be set when first_k_dense_replace > 0")
         if self.num_shared_experts < 0:
@@ -157,17 +171,19 @@ class LingConfig:
     # -- Hugging Face config.json ---------------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         """Every field explicit, so no reader falls back to BailingMoeConfig's differing class defaults."""
-        data = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        data: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
         data.update(dataclasses.asdict(self))
         # No rope_scaling key: null is its default everywhere, and transformers 5 warns that the key is deprecated.
-        data.update({
-            "attention_dropout": 0.0,
-            "embedding_dropout": 0.0,
-            "output_dropout": 0.0,
-            "use_cache": True,
-            "use_sliding_window": False,
-            "output_router_logits": False,
-        })
+        data.update(
+            {
+                "attention_dropout": 0.0,
+                "embedding_dropout": 0.0,
+                "output_dropout": 0.0,
+                "use_cache": True,
+                "use_sliding_window": False,
+                "output_router_logits": False,
+            }
+        )
         return data
 
     @classmethod

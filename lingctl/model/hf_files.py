@@ -91,8 +91,12 @@ def hf_config(config: LingConfig, *, dtype: str, code_repo: str | None) -> dict[
 
 
 def generation_config(config: LingConfig) -> dict[str, Any]:
-    return {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-            "pad_token_id": config.pad_token_id, "do_sample": False}
+    return {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "do_sample": False,
+    }
 
 
 # -- tokenizer side files ------------------------------------------------------------------------------
@@ -104,8 +108,9 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def tokenizer_files(tokenizer_json: str, *, model_max_length: int,
-                    base: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def tokenizer_files(
+    tokenizer_json: str, *, model_max_length: int, base: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
     """``tokenizer_config.json`` and ``special_tokens_map.json`` for the tokenizer in ``tokenizer_json``.
 
     ``base`` is the tokenizer_config.json that came with the tokenizer (a checkpoint this run started from):
@@ -129,9 +134,14 @@ def tokenizer_files(tokenizer_json: str, *, model_max_length: int,
         "model_max_length": model_max_length,
         "chat_template": LING_CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(t["id"]): {"content": t.get("content"), "lstrip": bool(t.get("lstrip")),
-                           "normalized": bool(t.get("normalized")), "rstrip": bool(t.get("rstrip")),
-                           "single_word": bool(t.get("single_word")), "special": bool(t.get("special"))}
+            str(t["id"]): {
+                "content": t.get("content"),
+                "lstrip": bool(t.get("lstrip")),
+                "normalized": bool(t.get("normalized")),
+                "rstrip": bool(t.get("rstrip")),
+                "single_word": bool(t.get("single_word")),
+                "special": bool(t.get("special")),
+            }
             for t in sorted(added, key=lambda t: t["id"])
         },
     }

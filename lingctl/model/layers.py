@@ -29,13 +29,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [*positions.shape, Dh] for rotate-half RoPE. Angles are computed in float32 even under
     bf16 autocast: bf16 positions times frequencies lose whole radians at long contexts."""
     with torch.autocast(device_type=positions.device.type, enabled=False):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                                 dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+        )
         freqs = positions.to(torch.float32)[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -61,12 +63,14 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
         self.query_key_value = nn.Linear(
-            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.use_qkv_bias)
+            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.use_qkv_bias
+        )
         # H * Dh may differ from D: `dense` maps the concatenated heads back to the hidden size.
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.use_bias)
 
-    def project(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B,H,S,Dh], k and v [B,K,S,Dh], with RoPE applied at ``positions``. Split out so an inference
         engine can keep k/v in its own cache and call ``attend`` itself."""
         b, s, _ = x_BSD.shape
@@ -76,8 +80,15 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions_BS, self.head_dim, self.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention output projected to [B, S, D]. Query head h uses KV head h // (H / K), hence
         repeat_interleave (each KV head repeated for its consecutive group of query heads)."""
         groups = self.num_heads // self.num_kv_heads

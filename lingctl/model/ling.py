@@ -30,14 +30,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module
+        self.mlp: SparseMoeBlock | MLP
         if config.is_moe_layer(index):
             self.mlp = SparseMoeBlock(config, dispatch)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor
-                ) -> tuple[torch.Tensor, RouterOutput | None]:
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
         h = x_BSD + self.attention(self.input_layernorm(x_BSD), positions_BS)
         return self.mlp_residual(h)
 
@@ -115,8 +114,9 @@ class LingForCausalLM(nn.Module):
             w = w.to(hidden_BSD.dtype)  # NormHead computes in float32; a bf16 model multiplies in bf16
         return F.linear(hidden_BSD, w)
 
-    def hidden_states(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, list[RouterOutput]]:
+    def hidden_states(
+        self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[RouterOutput]]:
         if positions_BS is None:
             s = input_ids_BS.shape[1]
             positions_BS = torch.arange(s, device=input_ids_BS.device).expand_as(input_ids_BS)

@@ -14,7 +14,7 @@ Shape legend: T tokens, D hidden, E experts, K experts per token, N = T*K routed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +80,14 @@ class Router(nn.Module):
             mean = self.logit_mean if self.logit_mean is not None else mean
             std = self.logit_std if self.logit_std is not None else std
             noise = torch.randn(logits_TE.shape, generator=self.noise_generator, dtype=torch.float32)
-            noise = (noise.to(logits_TE.device) * std + mean)
+            noise = noise.to(logits_TE.device) * std + mean
         a = self.warmup_alpha
         return a * logits_TE + (1.0 - a) * noise
 
 
-def dispatch_naive(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                   experts: nn.ModuleList) -> torch.Tensor:
+def dispatch_naive(
+    x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts: nn.ModuleList
+) -> torch.Tensor:
     """Ling's reference training path: each token copied k times, one boolean mask per expert."""
     t, k = idx_TK.shape
     x_ND = x_TD.repeat_interleave(k, dim=0)
@@ -111,16 +112,18 @@ def _sort_by_expert(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order_N, counts, counts.tolist()
 
 
-def _combine(ys_ND: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor, t: int, k: int,
-             dtype: torch.dtype) -> torch.Tensor:
+def _combine(
+    ys_ND: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor, t: int, k: int, dtype: torch.dtype
+) -> torch.Tensor:
     # The k weighted expert outputs of a token are summed in float32, as Ling's reference does.
     w_N = weight_TK.reshape(-1)[order_N].unsqueeze(-1)
     y_TD = torch.zeros(t, ys_ND.shape[-1], dtype=torch.float32, device=ys_ND.device)
     return y_TD.index_add_(0, order_N // k, ys_ND.to(torch.float32) * w_N).to(dtype)
 
 
-def dispatch_sorted(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                    experts: nn.ModuleList, *, min_rows: int = 1) -> torch.Tensor:
+def dispatch_sorted(
+    x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts: nn.ModuleList, *, min_rows: int = 1
+) -> torch.Tensor:
     """One gather into expert order, one SwiGLU per expert on a contiguous slice, one scatter-add.
 
     ``min_rows`` pads each expert's slice with zero rows up to that many. CPU BLAS computes a 1-row product
@@ -147,11 +150,11 @@ class _ContiguousGrad(torch.autograd.Function):
     the zero-stride gradients that reductions such as ``sum()`` produce."""
 
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return grad.contiguous()
 
 
@@ -163,8 +166,9 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def dispatch_grouped(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                     experts: nn.ModuleList) -> torch.Tensor:
+def dispatch_grouped(
+    x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts: nn.ModuleList
+) -> torch.Tensor:
     """Sorted layout, all experts in one grouped matmul per projection. The experts keep their own
     parameters (Ling's tensor names); stacking them costs one copy of the expert weights per call."""
     t, k = idx_TK.shape
@@ -175,9 +179,10 @@ def dispatch_grouped(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.
         dtype = torch.get_autocast_dtype(x_TD.device.type)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         xs_ND = x_TD[order_N // k].to(dtype)
-        gate = torch.stack([e.gate_proj.weight for e in experts]).to(dtype)
-        up = torch.stack([e.up_proj.weight for e in experts]).to(dtype)
-        down = torch.stack([e.down_proj.weight for e in experts]).to(dtype)
+        mlps = [cast(MLP, e) for e in experts]  # ModuleList items are typed as plain Modules
+        gate = torch.stack([e.gate_proj.weight for e in mlps]).to(dtype)
+        up = torch.stack([e.up_proj.weight for e in mlps]).to(dtype)
+        down = torch.stack([e.down_proj.weight for e in mlps]).to(dtype)
         offs = counts_E.cumsum(0).to(torch.int32)
         h_NI = F.silu(_gmm(xs_ND, gate, offs)) * _gmm(xs_ND, up, offs)
         ys_ND = _gmm(h_NI, down, offs)
@@ -195,11 +200,18 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.gate = Router(config)
         self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts))
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
         self.shared_experts = (
             MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
-            if config.num_shared_experts > 0 else None)
+            if config.num_shared_experts > 0
+            else None
+        )
         self.dispatch: Dispatch = dispatch
+
+    def expert(self, e: int) -> MLP:
+        """Routed expert ``e``, typed (a ModuleList's items are typed as plain Modules)."""
+        return cast(MLP, self.experts[e])
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         b, s, d = x_BSD.shape

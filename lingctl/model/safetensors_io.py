@@ -25,8 +25,15 @@ import torch
 from lingctl.core.errors import LingctlError
 
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -34,8 +41,9 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 DEFAULT_METADATA = {"format": "pt"}
 
 
-def write_safetensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     header: dict[str, object] = {"__metadata__": dict(metadata or DEFAULT_METADATA)}
     offset = 0
     items: list[tuple[str, torch.Tensor]] = []
@@ -54,7 +62,7 @@ def write_safetensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor],
     for _, t in items:
         data = t.detach().to("cpu").contiguous().reshape(-1)
         if data.numel():
-            f.write(memoryview(data.view(torch.uint8).numpy()))
+            f.write(data.view(torch.uint8).numpy().data)
 
 
 def read_header(path: Path) -> tuple[int, dict[str, dict]]:
@@ -152,8 +160,10 @@ def read_entries(path: Path) -> list[TensorEntry]:
         except (KeyError, TypeError, ValueError):
             raise LingctlError(f"{path}: unsupported or malformed entry for tensor {name}") from None
         if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-            raise LingctlError(f"{path}: tensor {name} has offsets [{begin}, {end}] that do not match its shape "
-                               f"{list(shape)} of {info['dtype']}")
+            raise LingctlError(
+                f"{path}: tensor {name} has offsets [{begin}, {end}] that do not match its shape "
+                f"{list(shape)} of {info['dtype']}"
+            )
         if start + end > size:
             raise LingctlError(f"{path}: truncated (tensor {name} ends at byte {start + end}, the file has {size})")
         entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, begin=start + begin, end=start + end))
@@ -211,8 +221,12 @@ class StreamReader:
                     pending = pool.submit(self._read, fd, plan[i + 1], (i + 1) % 2)
                 yield Piece(entry=entry, row=row, rows=rows, data=data)
                 # The caller has converted this piece: its pages are of no further use.
-                _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", None), entry.begin + row * entry.row_bytes,
-                        rows * entry.row_bytes)
+                _advise(
+                    fd,
+                    getattr(os, "POSIX_FADV_DONTNEED", None),
+                    entry.begin + row * entry.row_bytes,
+                    rows * entry.row_bytes,
+                )
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             os.close(fd)
@@ -223,13 +237,14 @@ class StreamReader:
         if n > self._buffers[slot].numel():  # one row wider than the buffer: grow this one
             self._buffers[slot] = torch.empty(n, dtype=torch.uint8)
         out = self._buffers[slot][:n]
-        view = memoryview(out.numpy()).cast("B")
+        view = out.numpy().data.cast("B")
         offset, done = entry.begin + row * entry.row_bytes, 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
-                raise LingctlError(f"{self.path}: truncated while reading tensor {entry.name} (the file changed "
-                                   f"while it was read?)")
+                raise LingctlError(
+                    f"{self.path}: truncated while reading tensor {entry.name} (the file changed while it was read?)"
+                )
             done += got
         self.bytes_read += n
         return out

@@ -102,8 +102,15 @@ def fill(loads: list[float], speeds: list[float], size: float, count: int) -> li
     return counts
 
 
-def _place_block(items: np.ndarray, size: float, node_groups: list[tuple[int, list[int]]], node_load: list[float],
-                 rank_load: list[float], speeds: Sequence[float], writers: np.ndarray) -> None:
+def _place_block(
+    items: np.ndarray,
+    size: float,
+    node_groups: list[tuple[int, list[int]]],
+    node_load: list[float],
+    rank_load: list[float],
+    speeds: Sequence[float],
+    writers: np.ndarray,
+) -> None:
     """Many items of one size and holder set: counts per node, then per rank within each node, by ``fill``."""
     loads = [node_load[n] for n, _ in node_groups]
     per_node = fill(loads, [speeds[n] for n, _ in node_groups], size, len(items))
@@ -116,12 +123,13 @@ def _place_block(items: np.ndarray, size: float, node_groups: list[tuple[int, li
         per_rank = fill(rloads, [1.0] * len(ranks), size, taken)
         for r, k, load in zip(ranks, per_rank, rloads):
             rank_load[r] = load
-            writers[items[cursor:cursor + k]] = r
+            writers[items[cursor : cursor + k]] = r
             cursor += k
 
 
-def _class_heaps(node_groups: list[tuple[int, list[int]]], node_load: list[float],
-                 speeds: Sequence[float]) -> list[tuple[float, list[tuple[float, int]]]]:
+def _class_heaps(
+    node_groups: list[tuple[int, list[int]]], node_load: list[float], speeds: Sequence[float]
+) -> list[tuple[float, list[tuple[float, int]]]]:
     """One heap of (load, node) per distinct bandwidth among a holder set's nodes: within a class the node
     with the least load finishes first whatever the item's size, so only each class's top is compared."""
     classes: dict[float, list[tuple[float, int]]] = {}
@@ -156,9 +164,15 @@ def _next_node(class_heaps: list[tuple[float, list[tuple[float, int]]]], node_lo
     return n
 
 
-def place(sizes: Sequence[int] | np.ndarray, groups: Sequence[int] | np.ndarray,
-          holder_sets: Sequence[Sequence[int]], topology: Topology, *,
-          rows: Sequence[int] | np.ndarray | None = None, tolerance: float = 0.002) -> Placement:
+def place(
+    sizes: Sequence[int] | np.ndarray,
+    groups: Sequence[int] | np.ndarray,
+    holder_sets: Sequence[Sequence[int]],
+    topology: Topology,
+    *,
+    rows: Sequence[int] | np.ndarray | None = None,
+    tolerance: float = 0.002,
+) -> Placement:
     """Place items: item ``i`` has ``sizes[i]`` bytes and may be written by any rank of
     ``holder_sets[groups[i]]``. Deterministic: the same input gives the same placement.
 
@@ -228,8 +242,18 @@ def place(sizes: Sequence[int] | np.ndarray, groups: Sequence[int] | np.ndarray,
                 writers[i] = r
     placement = Placement(writers=writers, rank_bytes=[], node_bytes=[])
     if rows is not None and len(sizes):
-        _even_out(placement, sizes, np.asarray(rows, dtype=np.int64), ~single[groups], groups, sets, topology,
-                  rank_load, node_load, tolerance)
+        _even_out(
+            placement,
+            sizes,
+            np.asarray(rows, dtype=np.int64),
+            ~single[groups],
+            groups,
+            sets,
+            topology,
+            rank_load,
+            node_load,
+            tolerance,
+        )
     placement.rank_bytes = [int(round(x)) for x in rank_load]
     placement.node_bytes = [0] * topology.num_nodes
     for r, b in enumerate(placement.rank_bytes):
@@ -237,9 +261,18 @@ def place(sizes: Sequence[int] | np.ndarray, groups: Sequence[int] | np.ndarray,
     return placement
 
 
-def _even_out(placement: Placement, sizes: np.ndarray, rows: np.ndarray, replicated: np.ndarray,
-              groups: np.ndarray, sets: list[list[int]], topology: Topology, rank_load: list[float],
-              node_load: list[float], tolerance: float) -> None:
+def _even_out(
+    placement: Placement,
+    sizes: np.ndarray,
+    rows: np.ndarray,
+    replicated: np.ndarray,
+    groups: np.ndarray,
+    sets: list[list[int]],
+    topology: Topology,
+    rank_load: list[float],
+    node_load: list[float],
+    tolerance: float,
+) -> None:
     rank_nodes = topology.rank_nodes
     bw = topology.node_bandwidth
     nodes = topology.num_nodes

@@ -69,19 +69,31 @@ def _unwrap(exc: CheckpointException) -> Exception:
             return failure
     for failure in failures:
         if isinstance(failure, pickle.UnpicklingError):  # torch.load(weights_only=True) refused a tensor record
-            return VerificationError(f"checkpoint data refused on rank(s) {sorted(exc.failures)}: "
-                                     f"{refusal_reason(failure)}",
-                                     hint="the checkpoint was tampered with; do not use it")
+            return VerificationError(
+                f"checkpoint data refused on rank(s) {sorted(exc.failures)}: {refusal_reason(failure)}",
+                hint="the checkpoint was tampered with; do not use it",
+            )
     first = failures[0] if failures else exc
     return LingctlError(f"checkpoint failed on rank(s) {sorted(exc.failures)}: {type(first).__name__}: {first}")
 
 
-def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path | str | None = None,
-         s3: S3Options | None = None, uploader: tier.Uploader | None = None, topology: Topology | None = None,
-         ranks_per_node: int | None = None, node_bandwidth: float | list[float] | None = None,
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-         throttle: NodeThrottle | None = None, extra: dict[str, Any] | None = None,
-         process_group: Any = None, on_durable: Any = None) -> SaveResult:
+def save(
+    state_dict: dict[str, Any],
+    destination: str | Path,
+    *,
+    cache_dir: Path | str | None = None,
+    s3: S3Options | None = None,
+    uploader: tier.Uploader | None = None,
+    topology: Topology | None = None,
+    ranks_per_node: int | None = None,
+    node_bandwidth: float | list[float] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    throttle: NodeThrottle | None = None,
+    extra: dict[str, Any] | None = None,
+    process_group: Any = None,
+    on_durable: Any = None,
+) -> SaveResult:
     """Write one checkpoint (every rank calls this, as with ``dcp.save``).
 
     ``destination`` is a directory or ``s3://`` URL of its own per checkpoint. With a remote destination
@@ -93,16 +105,30 @@ def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path
     url = str(destination)
     remote = url if parse_url(url).is_s3 or cache_dir is not None else None
     local = tier.cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
-    planner = PCacheSavePlanner(topology=topology, ranks_per_node=ranks_per_node, node_bandwidth=node_bandwidth,
-                                chunk_bytes=min(chunk_bytes, buffer_bytes))
+    planner = PCacheSavePlanner(
+        topology=topology,
+        ranks_per_node=ranks_per_node,
+        node_bandwidth=node_bandwidth,
+        chunk_bytes=min(chunk_bytes, buffer_bytes),
+    )
     # A topology that does not fit the job is a usage error on every rank, before anything is written.
     world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
     planner.topology_for(world)
 
     def marker_extra() -> dict[str, Any]:
         plan = planner.summary
-        figures = {"plan": {"node_bytes": plan.node_bytes, "rank_bytes": plan.rank_bytes,
-                            "estimated_s": plan.estimated_s, "items": plan.items}} if plan else {}
+        figures = (
+            {
+                "plan": {
+                    "node_bytes": plan.node_bytes,
+                    "rank_bytes": plan.rank_bytes,
+                    "estimated_s": plan.estimated_s,
+                    "items": plan.items,
+                }
+            }
+            if plan
+            else {}
+        )
         return {**figures, **(extra or {})}
 
     writer = PCacheWriter(local, buffer_bytes=buffer_bytes, throttle=throttle, extra=marker_extra)
@@ -122,12 +148,23 @@ def save(state_dict: dict[str, Any], destination: str | Path, *, cache_dir: Path
             if finalize and on_durable is not None:
                 on_durable(remote)
     log.debug("rank %d wrote %d bytes of %s in %.2f s", rank, writer.written_bytes, local, seconds)
-    return SaveResult(local_dir=str(local), remote=remote, written_bytes=writer.written_bytes,
-                      seconds=round(seconds, 4), plan=planner.summary)
+    return SaveResult(
+        local_dir=str(local),
+        remote=remote,
+        written_bytes=writer.written_bytes,
+        seconds=round(seconds, 4),
+        plan=planner.summary,
+    )
 
 
-def load(state_dict: dict[str, Any], source: str | Path, *, cache_dir: Path | str | None = None,
-         s3: S3Options | None = None, process_group: Any = None) -> Path:
+def load(
+    state_dict: dict[str, Any],
+    source: str | Path,
+    *,
+    cache_dir: Path | str | None = None,
+    s3: S3Options | None = None,
+    process_group: Any = None,
+) -> Path:
     """Load ``state_dict`` in place from a checkpoint (any world size; DCP reshards). Returns the local
     directory read. With an s3:// source, one rank per node brings the files into the cache first.
 

@@ -58,8 +58,10 @@ STRATEGIES = {"rank0": "rank-0 writers", "dcp": "DCP default", "lingctl": "lingc
 
 def _check_world(world: int, what: str) -> None:
     if world > MAX_RANKS:
-        raise UsageError(f"{what} = {world:,} ranks; plan computes at most {MAX_RANKS:,}",
-                         hint="plan a smaller world of the same shape (same tp/pp/ep and ranks per node)")
+        raise UsageError(
+            f"{what} = {world:,} ranks; plan computes at most {MAX_RANKS:,}",
+            hint="plan a smaller world of the same shape (same tp/pp/ep and ranks per node)",
+        )
 
 
 # -- settings --------------------------------------------------------------------------------------------
@@ -85,7 +87,9 @@ class PlanSettings:
 
     def validate(self) -> None:
         if not self.model:
-            raise UsageError("no model given", hint="--model PRESET|DIR|ORG/NAME[@REV]|TENSORS.json, e.g. --model ling-lite")
+            raise UsageError(
+                "no model given", hint="--model PRESET|DIR|ORG/NAME[@REV]|TENSORS.json, e.g. --model ling-lite"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"unknown optimizer {self.optimizer!r}", hint=f"choose one of {', '.join(OPTIMIZERS)}")
         for name in ("chunk_mb", "buffer_mb"):
@@ -103,17 +107,24 @@ class PlanSettings:
             bandwidth = None
         if self.rank_map is None:
             if self.nodes is None or self.ranks_per_node is None:
-                raise UsageError("give --nodes and --ranks-per-node, or --rank-map",
-                                 hint="e.g. --nodes 2 --ranks-per-node 8")
-            _check_world(self.nodes * self.ranks_per_node,
-                         f"--nodes {self.nodes} x --ranks-per-node {self.ranks_per_node}")
+                raise UsageError(
+                    "give --nodes and --ranks-per-node, or --rank-map", hint="e.g. --nodes 2 --ranks-per-node 8"
+                )
+            _check_world(
+                self.nodes * self.ranks_per_node, f"--nodes {self.nodes} x --ranks-per-node {self.ranks_per_node}"
+            )
             return Topology.uniform(self.nodes, self.ranks_per_node, bandwidth)
         rank_nodes = self.rank_map if isinstance(self.rank_map, list) else parse_rank_map(self.rank_map)
         _check_world(len(rank_nodes), "the rank map")
-        if self.nodes is not None and self.ranks_per_node is not None \
-                and len(rank_nodes) != self.nodes * self.ranks_per_node:
-            raise UsageError(f"the rank map lists {len(rank_nodes)} ranks, but {self.nodes} nodes x "
-                             f"{self.ranks_per_node} ranks per node = {self.nodes * self.ranks_per_node}")
+        if (
+            self.nodes is not None
+            and self.ranks_per_node is not None
+            and len(rank_nodes) != self.nodes * self.ranks_per_node
+        ):
+            raise UsageError(
+                f"the rank map lists {len(rank_nodes)} ranks, but {self.nodes} nodes x "
+                f"{self.ranks_per_node} ranks per node = {self.nodes * self.ranks_per_node}"
+            )
         topology = Topology.from_map(rank_nodes, bandwidth)
         if self.nodes is not None and topology.num_nodes != self.nodes:
             raise UsageError(f"the rank map uses {topology.num_nodes} nodes, but --nodes is {self.nodes}")
@@ -125,10 +136,13 @@ class PlanSettings:
                 raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
         dp = self.dp if self.dp is not None else world // (self.tp * self.pp)
         if self.tp * self.pp * dp != world:
-            raise UsageError(f"the topology has {world} ranks, but tp {self.tp} x pp {self.pp} x dp {dp} = "
-                             f"{self.tp * self.pp * dp}", hint="world size must equal tp * pp * dp")
-        p = Parallelism(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep, order=self.order,
-                        shard_optimizer=self.shard_optimizer)
+            raise UsageError(
+                f"the topology has {world} ranks, but tp {self.tp} x pp {self.pp} x dp {dp} = {self.tp * self.pp * dp}",
+                hint="world size must equal tp * pp * dp",
+            )
+        p = Parallelism(
+            tp=self.tp, pp=self.pp, dp=dp, ep=self.ep, order=self.order, shard_optimizer=self.shard_optimizer
+        )
         p.validate()
         return p
 
@@ -287,21 +301,39 @@ def _largest(writers: np.ndarray, sizes: np.ndarray, world: int) -> np.ndarray:
     return out
 
 
-def _summary(name: str, writers: np.ndarray, sizes: np.ndarray, topology: Topology,
-             staging: np.ndarray, staging_async: int | None) -> tuple[StrategySummary, np.ndarray, np.ndarray]:
+def _summary(
+    name: str,
+    writers: np.ndarray,
+    sizes: np.ndarray,
+    topology: Topology,
+    staging: np.ndarray,
+    staging_async: int | None,
+) -> tuple[StrategySummary, np.ndarray, np.ndarray]:
     world = topology.world_size
     rank_bytes = np.bincount(writers, weights=sizes, minlength=world).round().astype(np.int64)
     rank_writes = np.bincount(writers, minlength=world)
-    node_bytes = np.bincount(np.asarray(topology.rank_nodes), weights=rank_bytes,
-                             minlength=topology.num_nodes).round().astype(np.int64)
+    node_bytes = (
+        np.bincount(np.asarray(topology.rank_nodes), weights=rank_bytes, minlength=topology.num_nodes)
+        .round()
+        .astype(np.int64)
+    )
     total = int(rank_bytes.sum())
     mean_node = total / topology.num_nodes
     seconds = max(b / bw for b, bw in zip(node_bytes.tolist(), topology.node_bandwidth))
     summary = StrategySummary(
-        name=name, label=STRATEGIES[name], writes=len(writers), total_bytes=total,
-        rank_bytes_max=int(rank_bytes.max()), rank_bytes_mean=total / world, node_bytes=node_bytes.tolist(),
-        node_ratio=float(node_bytes.max() / mean_node) if mean_node else None, seconds=seconds, vs_bound=None,
-        staging_bytes=int(staging.max()), staging_async_bytes=staging_async)
+        name=name,
+        label=STRATEGIES[name],
+        writes=len(writers),
+        total_bytes=total,
+        rank_bytes_max=int(rank_bytes.max()),
+        rank_bytes_mean=total / world,
+        node_bytes=node_bytes.tolist(),
+        node_ratio=float(node_bytes.max() / mean_node) if mean_node else None,
+        seconds=seconds,
+        vs_bound=None,
+        staging_bytes=int(staging.max()),
+        staging_async_bytes=staging_async,
+    )
     return summary, rank_bytes, rank_writes
 
 
@@ -330,10 +362,19 @@ def bound(items: Items, topology: Topology) -> StrategySummary:
         speed = sum(bw for n, bw in enumerate(topology.node_bandwidth) if nodes >> n & 1)
         seconds = max(seconds, float(inside) / speed)
     return StrategySummary(
-        name="bound", label=STRATEGIES["bound"], writes=None, total_bytes=total,
-        rank_bytes_max=max(math.ceil(total / world), int(rank_only.max())), rank_bytes_mean=total / world,
-        node_bytes=None, node_ratio=None, seconds=seconds, vs_bound=1.0, staging_bytes=None,
-        staging_async_bytes=None)
+        name="bound",
+        label=STRATEGIES["bound"],
+        writes=None,
+        total_bytes=total,
+        rank_bytes_max=max(math.ceil(total / world), int(rank_only.max())),
+        rank_bytes_mean=total / world,
+        node_bytes=None,
+        node_ratio=None,
+        seconds=seconds,
+        vs_bound=1.0,
+        staging_bytes=None,
+        staging_async_bytes=None,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -366,13 +407,15 @@ def _apply_cuts(chunks: Chunks, placement: Placement) -> tuple[Chunks, np.ndarra
     return out, np.concatenate(writers)[order]
 
 
-def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes: int,
-            list_items: bool = False) -> Comparison:
+def compare(
+    items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes: int, list_items: bool = False
+) -> Comparison:
     """The four strategies on ``items``."""
     world = topology.world_size
     if max(h[-1] for h in items.holder_sets) >= world:
-        raise UsageError(f"the items name ranks up to {max(h[-1] for h in items.holder_sets)}, "
-                         f"but the topology has {world} ranks")
+        raise UsageError(
+            f"the items name ranks up to {max(h[-1] for h in items.holder_sets)}, but the topology has {world} ranks"
+        )
     held = items.held_bytes(world)
     held_max = int(held.max())
     writers = {"rank0": lowest_writers(items), "dcp": dcp_writers(items)}
@@ -399,13 +442,26 @@ def compare(items: Items, topology: Topology, *, chunk_bytes: int, buffer_bytes:
             raise AssertionError(f"{s.name} writes {s.total_bytes} bytes of {lower.total_bytes}")
         s.vs_bound = s.seconds / lower.seconds if lower.seconds else None
     summaries.append(lower)
-    rows = [RankRow(rank=r, node=topology.rank_nodes[r], held_bytes=int(held[r]),
-                    bytes={k: int(v[0][r]) for k, v in per_rank.items()},
-                    writes={k: int(v[1][r]) for k, v in per_rank.items()},
-                    staging={k: int(v[2][r]) for k, v in per_rank.items()}) for r in range(world)]
+    rows = [
+        RankRow(
+            rank=r,
+            node=topology.rank_nodes[r],
+            held_bytes=int(held[r]),
+            bytes={k: int(v[0][r]) for k, v in per_rank.items()},
+            writes={k: int(v[1][r]) for k, v in per_rank.items()},
+            staging={k: int(v[2][r]) for k, v in per_rank.items()},
+        )
+        for r in range(world)
+    ]
     listed = _list_items(items, writers, chunks, chunk_writers) if list_items else None
-    return Comparison(strategies=summaries, ranks=rows, chunks=chunks, chunk_writers=chunk_writers,
-                      plan_seconds=plan_seconds, write_items=listed)
+    return Comparison(
+        strategies=summaries,
+        ranks=rows,
+        chunks=chunks,
+        chunk_writers=chunk_writers,
+        plan_seconds=plan_seconds,
+        write_items=listed,
+    )
 
 
 def _list_items(items: Items, writers: dict[str, np.ndarray], chunks: Chunks, chunk_writers: np.ndarray) -> list[dict]:
@@ -413,10 +469,18 @@ def _list_items(items: Items, writers: dict[str, np.ndarray], chunks: Chunks, ch
     rank0, dcp = writers["rank0"].tolist(), writers["dcp"].tolist()
     start, rows, by = chunks.start.tolist(), chunks.rows.tolist(), chunk_writers.tolist()
     sizes = items.sizes.tolist()
-    return [{"name": items.names[i], "shape": list(items.shapes[i]), "bytes": sizes[i],
-             "holders": len(items.holder_sets[items.groups[i]]), "rank0": rank0[i], "dcp": dcp[i],
-             "lingctl": [[start[c], rows[c], by[c]] for c in range(bounds[i], bounds[i + 1])]}
-            for i in range(len(items))]
+    return [
+        {
+            "name": items.names[i],
+            "shape": list(items.shapes[i]),
+            "bytes": sizes[i],
+            "holders": len(items.holder_sets[items.groups[i]]),
+            "rank0": rank0[i],
+            "dcp": dcp[i],
+            "lingctl": [[start[c], rows[c], by[c]] for c in range(bounds[i], bounds[i + 1])],
+        }
+        for i in range(len(items))
+    ]
 
 
 def plan(settings: PlanSettings, *, list_items: bool = False) -> PlanReport:
@@ -430,15 +494,28 @@ def plan(settings: PlanSettings, *, list_items: bool = False) -> PlanReport:
     buffer_bytes = int(settings.buffer_mb * MIB)
     result = compare(items, topology, chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes, list_items=list_items)
     return PlanReport(
-        model={"source": model.source, "tensors": len(model.tensors), "parameters": model.num_parameters,
-               "layers": model.num_layers, "experts": model.num_experts,
-               "dtypes": sorted({param_dtype(t, settings.dtype) for t in model.tensors})},
-        optimizer=settings.optimizer, dtype=settings.dtype, parallelism=parallelism,
-        topology={"rank_nodes": list(topology.rank_nodes),
-                  "node_gbps": [bw / 1e9 for bw in topology.node_bandwidth]},
-        chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes, items=len(items), chunks=len(result.chunks.sizes),
-        total_bytes=int(items.sizes.sum()), plan_seconds=result.plan_seconds, strategies=result.strategies,
-        ranks=result.ranks, write_items=result.write_items)
+        model={
+            "source": model.source,
+            "tensors": len(model.tensors),
+            "parameters": model.num_parameters,
+            "layers": model.num_layers,
+            "experts": model.num_experts,
+            "dtypes": sorted({param_dtype(t, settings.dtype) for t in model.tensors}),
+        },
+        optimizer=settings.optimizer,
+        dtype=settings.dtype,
+        parallelism=parallelism,
+        topology={"rank_nodes": list(topology.rank_nodes), "node_gbps": [bw / 1e9 for bw in topology.node_bandwidth]},
+        chunk_bytes=chunk_bytes,
+        buffer_bytes=buffer_bytes,
+        items=len(items),
+        chunks=len(result.chunks.sizes),
+        total_bytes=int(items.sizes.sum()),
+        plan_seconds=result.plan_seconds,
+        strategies=result.strategies,
+        ranks=result.ranks,
+        write_items=result.write_items,
+    )
 
 
 # -- human view ------------------------------------------------------------------------------------------
@@ -452,25 +529,48 @@ def render_report(report: PlanReport, console: Console) -> None:
     world = len(report.topology["rank_nodes"])
     speed = f"{gbps[0]:g} GB/s each" if len(set(gbps)) == 1 else f"{min(gbps):g}-{max(gbps):g} GB/s"
     optimizer = report.optimizer + (", sharded over dp" if p.shard_optimizer and report.optimizer != "none" else "")
-    console.print(f"model {m['source']}: {_count(m['parameters'])} parameters ({'/'.join(m['dtypes'])}) in "
-                  f"{m['tensors']:,} tensors, {m['layers']} layers, {m['experts']} experts; optimizer {optimizer}",
-                  markup=False)
-    console.print(f"{world} ranks on {nodes} nodes ({speed}); tp {p.tp} x pp {p.pp} x dp {p.dp}, ep {p.ep}, "
-                  f"order {p.order}", markup=False)
-    console.print(f"{report.items:,} write items, {format_size(report.total_bytes)}; the lingctl plan cuts them "
-                  f"into {report.chunks:,} chunks of <= {format_size(report.chunk_bytes)} "
-                  f"(planned in {report.plan_seconds:.2f} s)", markup=False)
+    console.print(
+        f"model {m['source']}: {_count(m['parameters'])} parameters ({'/'.join(m['dtypes'])}) in "
+        f"{m['tensors']:,} tensors, {m['layers']} layers, {m['experts']} experts; optimizer {optimizer}",
+        markup=False,
+    )
+    console.print(
+        f"{world} ranks on {nodes} nodes ({speed}); tp {p.tp} x pp {p.pp} x dp {p.dp}, ep {p.ep}, order {p.order}",
+        markup=False,
+    )
+    console.print(
+        f"{report.items:,} write items, {format_size(report.total_bytes)}; the lingctl plan cuts them "
+        f"into {report.chunks:,} chunks of <= {format_size(report.chunk_bytes)} "
+        f"(planned in {report.plan_seconds:.2f} s)",
+        markup=False,
+    )
     table = Table(show_edge=False, pad_edge=False)
-    for title in ("strategy", "writes", "max/rank", "mean/rank", "busiest node", "node/mean", "est. time",
-                  "x bound", "staging", "async_save"):
+    for title in (
+        "strategy",
+        "writes",
+        "max/rank",
+        "mean/rank",
+        "busiest node",
+        "node/mean",
+        "est. time",
+        "x bound",
+        "staging",
+        "async_save",
+    ):
         table.add_column(title, justify="left" if title == "strategy" else "right")
     for s in report.strategies:
         table.add_row(
-            s.label, _or_dash(s.writes, "{:,}"), format_size(s.rank_bytes_max), format_size(s.rank_bytes_mean),
-            format_size(max(s.node_bytes)) if s.node_bytes else "-", _or_dash(s.node_ratio, "{:.2f}x"),
-            _duration(s.seconds), _or_dash(s.vs_bound, "{:.2f}x"),
+            s.label,
+            _or_dash(s.writes, "{:,}"),
+            format_size(s.rank_bytes_max),
+            format_size(s.rank_bytes_mean),
+            format_size(max(s.node_bytes)) if s.node_bytes else "-",
+            _or_dash(s.node_ratio, "{:.2f}x"),
+            _duration(s.seconds),
+            _or_dash(s.vs_bound, "{:.2f}x"),
             format_size(s.staging_bytes) if s.staging_bytes is not None else "-",
-            format_size(s.staging_async_bytes) if s.staging_async_bytes is not None else "-")
+            format_size(s.staging_async_bytes) if s.staging_async_bytes is not None else "-",
+        )
     console.print(table)
     by_node = Table(show_edge=False, pad_edge=False, title="bytes per node", title_justify="left")
     for title in ("node", "ranks", "GB/s", "rank-0", "DCP", "lingctl", "lingctl time"):
@@ -478,8 +578,15 @@ def render_report(report: PlanReport, console: Console) -> None:
     counts = np.bincount(report.topology["rank_nodes"], minlength=nodes).tolist()
     r0, dcp, ours = (report.strategy(n).node_bytes or [] for n in ("rank0", "dcp", "lingctl"))
     for n in range(min(nodes, _MAX_NODE_ROWS)):
-        by_node.add_row(str(n), str(counts[n]), f"{gbps[n]:g}", format_size(r0[n]), format_size(dcp[n]),
-                        format_size(ours[n]), _duration(ours[n] / (gbps[n] * 1e9)))
+        by_node.add_row(
+            str(n),
+            str(counts[n]),
+            f"{gbps[n]:g}",
+            format_size(r0[n]),
+            format_size(dcp[n]),
+            format_size(ours[n]),
+            _duration(ours[n] / (gbps[n] * 1e9)),
+        )
     console.print(by_node)
     if nodes > _MAX_NODE_ROWS:
         console.print(f"... {nodes - _MAX_NODE_ROWS} more nodes (all of them with --json)", markup=False)
@@ -488,8 +595,14 @@ def render_report(report: PlanReport, console: Console) -> None:
         for title in ("item", "bytes", "holders", "rank-0", "DCP", "lingctl (rows->rank)"):
             items.add_column(title, justify="left" if title == "item" else "right")
         for it in report.write_items:
-            items.add_row(it["name"], format_size(it["bytes"]), str(it["holders"]), str(it["rank0"]), str(it["dcp"]),
-                          " ".join(f"{a}:{a + b}->{r}" for a, b, r in it["lingctl"]))
+            items.add_row(
+                it["name"],
+                format_size(it["bytes"]),
+                str(it["holders"]),
+                str(it["rank0"]),
+                str(it["dcp"]),
+                " ".join(f"{a}:{a + b}->{r}" for a, b, r in it["lingctl"]),
+            )
         console.print(items)
 
 

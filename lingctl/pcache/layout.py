@@ -48,8 +48,24 @@ OPTIMIZERS = ("adamw", "sgd", "none")
 
 # Module names (the part before .weight/.bias) by how tensor parallelism cuts them: Ling's own names and
 # the common Hugging Face ones.
-_COLUMN = frozenset({"query_key_value", "qkv_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-                     "gate_up_proj", "w1", "w3", "word_embeddings", "embed_tokens", "lm_head", "dense_h_to_4h"})
+_COLUMN = frozenset(
+    {
+        "query_key_value",
+        "qkv_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "gate_up_proj",
+        "w1",
+        "w3",
+        "word_embeddings",
+        "embed_tokens",
+        "lm_head",
+        "dense_h_to_4h",
+    }
+)
 _ROW = frozenset({"dense", "o_proj", "down_proj", "w2", "out_proj", "dense_4h_to_h"})
 _EMBEDDINGS = frozenset({"word_embeddings", "embed_tokens", "wte"})
 
@@ -77,8 +93,10 @@ class Parallelism:
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{axis} must be a positive integer, got {value!r}")
         if self.dp % self.ep:
-            raise UsageError(f"ep {self.ep} does not divide dp {self.dp}",
-                             hint="expert parallelism is carved out of data parallelism: pick ep | dp")
+            raise UsageError(
+                f"ep {self.ep} does not divide dp {self.dp}",
+                hint="expert parallelism is carved out of data parallelism: pick ep | dp",
+            )
         self.axes()
 
     def axes(self) -> list[str]:
@@ -87,8 +105,10 @@ class Parallelism:
         if "ep" not in names and "dp" in names:
             names.insert(names.index("dp"), "ep")
         if sorted(names) != sorted(AXES):
-            raise UsageError(f"order {self.order!r} must name each of tp, ep, dp, pp once",
-                             hint=f"e.g. {DEFAULT_ORDER} (fastest-varying first)")
+            raise UsageError(
+                f"order {self.order!r} must name each of tp, ep, dp, pp once",
+                hint=f"e.g. {DEFAULT_ORDER} (fastest-varying first)",
+            )
         return names
 
     def check(self, model: Model) -> None:
@@ -96,8 +116,10 @@ class Parallelism:
         if model.num_heads is not None and model.num_heads % self.tp:
             raise UsageError(f"tp {self.tp} does not divide the {model.num_heads} attention heads of {model.source}")
         if self.pp > 1 and self.pp > model.num_layers:
-            raise UsageError(f"pp {self.pp} exceeds the {model.num_layers} layers of {model.source}",
-                             hint="each pipeline stage needs at least one layer")
+            raise UsageError(
+                f"pp {self.pp} exceeds the {model.num_layers} layers of {model.source}",
+                hint="each pipeline stage needs at least one layer",
+            )
         if self.ep > 1:
             if not model.num_experts:
                 raise UsageError(f"ep {self.ep} given, but {model.source} has no routed experts")
@@ -191,10 +213,16 @@ def write_items(model: Model, parallelism: Parallelism, optimizer: str = "adamw"
         for state in (("master",) if trained != "float32" else ()) + states:
             add(f"optim.state.{t.name}.{state}", state_cut, 4, KINDS.index(state))
     size_arr = np.asarray(itemsizes, dtype=np.int64)
-    return Items(names=names, shapes=shapes, sizes=np.asarray(elems, dtype=np.int64) * size_arr,
-                 tensor_sizes=np.asarray(tensor_elems, dtype=np.int64) * size_arr, itemsize=size_arr,
-                 kinds=np.asarray(kinds, dtype=np.int8), groups=np.asarray(groups, dtype=np.int64),
-                 holder_sets=cutter.holder_sets)
+    return Items(
+        names=names,
+        shapes=shapes,
+        sizes=np.asarray(elems, dtype=np.int64) * size_arr,
+        tensor_sizes=np.asarray(tensor_elems, dtype=np.int64) * size_arr,
+        itemsize=size_arr,
+        kinds=np.asarray(kinds, dtype=np.int8),
+        groups=np.asarray(groups, dtype=np.int64),
+        holder_sets=cutter.holder_sets,
+    )
 
 
 def param_dtype(t: Tensor, dtype: str | None) -> str:
@@ -267,8 +295,8 @@ class _Cutter:
         else:
             shards = []
             for rank, (start, length) in enumerate(_chunks(full[dim], p.tp)):
-                offsets = zeros[:dim] + (start,) + zeros[dim + 1:]
-                shards.append((offsets, full[:dim] + (length,) + full[dim + 1:], {"pp": stage, "tp": rank}))
+                offsets = zeros[:dim] + (start,) + zeros[dim + 1 :]
+                shards.append((offsets, full[:dim] + (length,) + full[dim + 1 :], {"pp": stage, "tp": rank}))
             zero_axis, zero_size = "dpi", p.dp
         param = _Cut([], [], [], [], math.prod(full))
         state = _Cut([], [], [], [], math.prod(full))

@@ -28,14 +28,33 @@ from typing import Any
 from lingctl.core.errors import LingctlError, UsageError
 
 DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 # safetensors header names -> the torch names used here.
 _SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
     "BOOL": "bool",
 }
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -71,8 +90,13 @@ def load_model(source: str) -> Model:
 
     if source in PRESETS:
         config = preset(source)
-        return Model(source=source, tensors=ling_tensors(config), num_layers=config.num_hidden_layers,
-                     num_experts=config.num_experts, num_heads=config.num_attention_heads)
+        return Model(
+            source=source,
+            tensors=ling_tensors(config),
+            num_layers=config.num_hidden_layers,
+            num_experts=config.num_experts,
+            num_heads=config.num_attention_heads,
+        )
     path = Path(source).expanduser()
     if path.is_dir():
         return _directory_model(path)
@@ -84,9 +108,11 @@ def load_model(source: str) -> Model:
         return dataclasses.replace(_directory_model(resolve_model_dir(source, option="--model")), source=source)
     if "/" in source or path.suffix:
         raise UsageError(f"--model {source}: no such directory or file")
-    raise UsageError(f"unknown model preset {source!r}",
-                     hint=f"choose one of {', '.join(PRESETS)}, or give a checkpoint directory, a Hugging Face "
-                          f"model id ORG/NAME or a tensors .json")
+    raise UsageError(
+        f"unknown model preset {source!r}",
+        hint=f"choose one of {', '.join(PRESETS)}, or give a checkpoint directory, a Hugging Face "
+        f"model id ORG/NAME or a tensors .json",
+    )
 
 
 def ling_tensors(config: Any, dtype: str | None = None) -> list[Tensor]:
@@ -109,7 +135,7 @@ def ling_tensors(config: Any, dtype: str | None = None) -> list[Tensor]:
     prefix = "model.layers."
     for name, p in model.named_parameters():
         if name.startswith(prefix):
-            index, rest = name[len(prefix):].split(".", 1)
+            index, rest = name[len(prefix) :].split(".", 1)
             per_template[int(index)].append((rest, tuple(p.shape)))
         else:
             (after if any(per_template) else before).append(Tensor(name=name, shape=tuple(p.shape), dtype=dtype))
@@ -138,8 +164,9 @@ def _skip_init_mode() -> Any:
     return SkipInit()
 
 
-_INIT_FUNCTIONS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_",
-                             "fill_", "zero_"})
+_INIT_FUNCTIONS = frozenset(
+    {"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_", "fill_", "zero_"}
+)
 
 
 def _directory_model(path: Path) -> Model:
@@ -163,7 +190,8 @@ def _directory_model(path: Path) -> Model:
         entry = headers[file].get(name)
         if entry is None:
             raise UsageError(f"{file}: the index lists {name}, but the file's header does not hold it")
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        raw_dtype = entry.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
         if dtype is None:
             raise UsageError(f"{file}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
         tensors.append(Tensor(name=name, shape=tuple(int(d) for d in entry["shape"]), dtype=dtype))
@@ -180,8 +208,13 @@ def _directory_model(path: Path) -> Model:
     layers, experts = _counts(tensors)
     experts = next((int(config[k]) for k in _EXPERT_KEYS if config.get(k)), experts)
     heads = config.get("num_attention_heads")
-    return Model(source=str(path), tensors=tensors, num_layers=int(config.get("num_hidden_layers") or layers),
-                 num_experts=experts, num_heads=int(heads) if heads else None)
+    return Model(
+        source=str(path),
+        tensors=tensors,
+        num_layers=int(config.get("num_hidden_layers") or layers),
+        num_experts=experts,
+        num_heads=int(heads) if heads else None,
+    )
 
 
 def _listed_model(path: Path) -> Model:
@@ -190,15 +223,16 @@ def _listed_model(path: Path) -> Model:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, list) or not data:
-        raise UsageError(f"{path}: expected a non-empty list of {{\"name\", \"shape\", \"dtype\"}} objects")
+        raise UsageError(f'{path}: expected a non-empty list of {{"name", "shape", "dtype"}} objects')
     tensors = []
     seen: set[str] = set()
     for i, entry in enumerate(data):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise UsageError(f"{path}: entry {i} needs a \"name\" string")
+            raise UsageError(f'{path}: entry {i} needs a "name" string')
         name, shape = entry["name"], entry.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise UsageError(f"{path}: {name}: shape must be a list of non-negative integers, got {shape!r}")
         dtype = dtype_name(entry.get("dtype", "bfloat16"), f"{path}: {name}")
         if name in seen:

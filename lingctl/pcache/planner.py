@@ -46,8 +46,11 @@ def _row_range(item: WriteItem, start: int, rows: int) -> WriteItem:
     base, sizes = list(data.chunk.offsets), list(data.chunk.sizes)
     offsets = torch.Size([base[0] + start, *base[1:]])
     chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *sizes[1:]]))
-    return WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(chunk=chunk, properties=data.properties, size=data.size))
+    return WriteItem(
+        index=MetadataIndex(item.index.fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=data.properties, size=data.size),
+    )
 
 
 def item_bytes(item: WriteItem) -> int:
@@ -80,9 +83,16 @@ class PCacheSavePlanner(DefaultSavePlanner):
     ranks per node, else all ranks count as one node.
     """
 
-    def __init__(self, *, topology: Topology | None = None, ranks_per_node: int | None = None,
-                 rank_nodes: list[int] | None = None, node_bandwidth: float | list[float] | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        topology: Topology | None = None,
+        ranks_per_node: int | None = None,
+        rank_nodes: list[int] | None = None,
+        node_bandwidth: float | list[float] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._topology = topology
         self._ranks_per_node = ranks_per_node
@@ -100,8 +110,10 @@ class PCacheSavePlanner(DefaultSavePlanner):
         else:
             per_node = self._ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
             if world_size % per_node:
-                raise UsageError(f"{world_size} ranks do not fill nodes of {per_node} ranks each",
-                                 hint="give ranks_per_node that divides the world size, or rank_nodes")
+                raise UsageError(
+                    f"{world_size} ranks do not fill nodes of {per_node} ranks each",
+                    hint="give ranks_per_node that divides the world size, or rank_nodes",
+                )
             topo = Topology.uniform(world_size // per_node, per_node, self._bandwidth)
         if topo.world_size != world_size:
             raise UsageError(f"the topology has {topo.world_size} ranks but the checkpoint is saved by {world_size}")
@@ -141,9 +153,14 @@ class PCacheSavePlanner(DefaultSavePlanner):
             per_rank[writer].append(piece if n_kept == n_rows else _row_range(piece, 0, n_kept))
         for index, start, count, writer in placement.cuts:
             per_rank[writer].append(_row_range(pieces[index], start, count))
-        self.summary = PlanSummary(rank_bytes=placement.rank_bytes, node_bytes=placement.node_bytes,
-                                   estimated_s=placement.seconds(topology), items=len(pieces) + len(placement.cuts),
-                                   split_items=split, topology=topology.to_dict())
+        self.summary = PlanSummary(
+            rank_bytes=placement.rank_bytes,
+            node_bytes=placement.node_bytes,
+            estimated_s=placement.seconds(topology),
+            items=len(pieces) + len(placement.cuts),
+            split_items=split,
+            topology=topology.to_dict(),
+        )
         log.debug("pcache plan: %d items (%d split), bytes per node %s", len(pieces), split, placement.node_bytes)
         return [dataclasses.replace(plan, items=mine) for plan, mine in zip(all_plans, per_rank)]
 
@@ -176,9 +193,11 @@ class PCacheSavePlanner(DefaultSavePlanner):
                 continue  # one of this rank's own items, whole
             for own in by_fqn.get(item.index.fqn, []):
                 o = own.tensor_data.chunk  # type: ignore[union-attr]
-                if all(o.offsets[d] == chunk.offsets[d] for d in range(1, len(o.offsets))) and \
-                        o.offsets[0] <= chunk.offsets[0] and \
-                        chunk.offsets[0] + chunk.sizes[0] <= o.offsets[0] + o.sizes[0]:
+                if (
+                    all(o.offsets[d] == chunk.offsets[d] for d in range(1, len(o.offsets)))
+                    and o.offsets[0] <= chunk.offsets[0]
+                    and chunk.offsets[0] + chunk.sizes[0] <= o.offsets[0] + o.sizes[0]
+                ):
                     self._sources[item.index] = (own.index, chunk.offsets[0] - o.offsets[0])
                     break
             else:

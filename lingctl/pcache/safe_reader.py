@@ -42,21 +42,33 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 # Every global a DCP metadata file of torch 2.13 refers to (dtypes are checked apart, below). Functions are
 # left out on purpose, except torch.serialization._get_layout, which only looks a layout up by its name.
-ALLOWED_GLOBALS = frozenset({
-    *((_DCP_METADATA, name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "bytearray"),
-    ("builtins", "complex"),
-})
+ALLOWED_GLOBALS = frozenset(
+    {
+        *(
+            (_DCP_METADATA, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "bytearray"),
+        ("builtins", "complex"),
+    }
+)
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -74,11 +86,14 @@ class MetadataUnpickler(pickle.Unpickler):
         raise VerificationError(
             f"{self.where}: refers to {printable(module)}.{printable(name)}, which a DCP metadata file never "
             "holds; refusing to load it (it could run code)",
-            hint="the checkpoint was not written by DCP or was tampered with; do not use it")
+            hint="the checkpoint was not written by DCP or was tampered with; do not use it",
+        )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise VerificationError(f"{self.where}: holds a persistent reference, which a DCP metadata file never "
-                                "holds; refusing to load it", hint="the checkpoint was tampered with")
+        raise VerificationError(
+            f"{self.where}: holds a persistent reference, which a DCP metadata file never holds; refusing to load it",
+            hint="the checkpoint was tampered with",
+        )
 
 
 def load_metadata(data: bytes, where: str) -> Metadata:
@@ -88,26 +103,36 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     except LingctlError:
         raise
     except Exception as exc:  # truncated or foreign bytes: whatever pickle trips over is a damaged file
-        raise VerificationError(f"{where}: not a readable DCP metadata file ({type(exc).__name__}: {exc})",
-                                hint="the checkpoint is damaged; pick another step") from None
+        raise VerificationError(
+            f"{where}: not a readable DCP metadata file ({type(exc).__name__}: {exc})",
+            hint="the checkpoint is damaged; pick another step",
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise VerificationError(f"{where}: holds a {type(metadata).__name__}, not DCP checkpoint metadata",
-                                hint="the checkpoint is damaged; pick another step")
+        raise VerificationError(
+            f"{where}: holds a {type(metadata).__name__}, not DCP checkpoint metadata",
+            hint="the checkpoint is damaged; pick another step",
+        )
     return metadata
 
 
 def _check_entry(want: Any, data: bytes, where: str) -> None:
     crc = want.get("crc64nvme") if isinstance(want, dict) else None
     if not crc:
-        raise VerificationError(f"{where}: {MARKER} records no checksum for it; refusing to load it",
-                                hint="the marker is not one lingctl wrote")
+        raise VerificationError(
+            f"{where}: {MARKER} records no checksum for it; refusing to load it",
+            hint="the marker is not one lingctl wrote",
+        )
     if len(data) != want.get("size"):
-        raise VerificationError(f"{where}: {len(data)} bytes, expected {want.get('size')}; refusing to load it",
-                                hint="the checkpoint is damaged or was changed after it was saved")
+        raise VerificationError(
+            f"{where}: {len(data)} bytes, expected {want.get('size')}; refusing to load it",
+            hint="the checkpoint is damaged or was changed after it was saved",
+        )
     got = crc64_bytes(data).tagged()
     if got != crc:
-        raise VerificationError(f"{where}: checksum {got}, expected {crc}; refusing to load it",
-                                hint="the checkpoint is damaged or was changed after it was saved")
+        raise VerificationError(
+            f"{where}: checksum {got}, expected {crc}; refusing to load it",
+            hint="the checkpoint is damaged or was changed after it was saved",
+        )
 
 
 def refusal_reason(exc: BaseException) -> str:
@@ -134,13 +159,14 @@ class SafeReader(FileSystemReader):
     def _metadata_path(self) -> Path:
         return Path(self.path) / METADATA
 
-    def read_metadata(self) -> Metadata:  # type: ignore[override]
+    def read_metadata(self) -> Metadata:
         # No **kwargs on purpose: DCP then never falls back to a rank-local "__N.metadata" this did not check.
         if self._metadata is None:
             path = self._metadata_path()
             if self.files is not None and METADATA not in self.files:
-                raise VerificationError(f"{path}: not listed in {MARKER}; refusing to load it",
-                                        hint="the marker is not one lingctl wrote")
+                raise VerificationError(
+                    f"{path}: not listed in {MARKER}; refusing to load it", hint="the marker is not one lingctl wrote"
+                )
             try:
                 data = path.read_bytes()
             except OSError as exc:
@@ -156,13 +182,18 @@ class SafeReader(FileSystemReader):
         """Every file the metadata sends DCP to is a plain name in this directory (and listed, with ``files``)."""
         for info in metadata.storage_data.values():
             if not isinstance(info, _StorageInfo) or not all(
-                    isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
-                raise VerificationError(f"{where}: malformed storage entry {printable(repr(info))[:200]}",
-                                        hint="the checkpoint is damaged; pick another step")
+                isinstance(v, int) and v >= 0 for v in (info.offset, info.length)
+            ):
+                raise VerificationError(
+                    f"{where}: malformed storage entry {printable(repr(info))[:200]}",
+                    hint="the checkpoint is damaged; pick another step",
+                )
             name = check_relative(info.relative_path, what=f"{where}: data file")
             if "/" in name or (self.files is not None and name not in self.files):
-                raise VerificationError(f"{where}: points at {printable(name)!r}, which {MARKER} does not list; "
-                                        "refusing to load it", hint="the checkpoint was tampered with")
+                raise VerificationError(
+                    f"{where}: points at {printable(name)!r}, which {MARKER} does not list; refusing to load it",
+                    hint="the checkpoint was tampered with",
+                )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         return super().read_data(plan, _PlainBytes(planner, self))  # type: ignore[arg-type]
@@ -183,16 +214,20 @@ class _PlainBytes:
         planner = self._planner
         if getattr(type(planner), "load_bytes", None) is not DefaultLoadPlanner.load_bytes:
             # Its own load_bytes may unpickle with weights_only=False; only the default storing is known.
-            raise LingctlError(f"{type(planner).__name__} decodes byte items itself; SafeReader reads them only "
-                               "for DefaultLoadPlanner and subclasses that keep its load_bytes")
+            raise LingctlError(
+                f"{type(planner).__name__} decodes byte items itself; SafeReader reads them only "
+                "for DefaultLoadPlanner and subclasses that keep its load_bytes"
+            )
         fqn = read_item.dest_index.fqn
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as exc:
             info = self._reader.storage_data.get(read_item.storage_index)
             where = Path(self._reader.path) / (info.relative_path if info is not None else "?")
-            raise VerificationError(f"{where}: item {printable(fqn)!r} is not plain data ({refusal_reason(exc)}); "
-                                    "refusing to load it", hint="the checkpoint was tampered with") from None
+            raise VerificationError(
+                f"{where}: item {printable(fqn)!r} is not plain data ({refusal_reason(exc)}); refusing to load it",
+                hint="the checkpoint was tampered with",
+            ) from None
         assert isinstance(planner, DefaultLoadPlanner)
         if planner.flatten_state_dict:
             set_element(planner.original_state_dict, planner.mappings[fqn], obj)

@@ -31,17 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.babel.sync import SyncOptions, Syncer, SyncResult
+from lingctl.babel.sync import Syncer, SyncOptions, SyncResult
 from lingctl.core.atomic import TMP_MARKER, atomic_write, tmp_path
 from lingctl.core.checksum import crc64_file
 from lingctl.core.errors import LingctlError, NotFoundError, RetryableError, UsageError, VerificationError, os_error
 from lingctl.core.storage import S3Options, StoreURL, open_store, parse_url
 from lingctl.pcache.tier_status import (
     MARKER,
-    ensure_state_dir,
     METADATA,
     check_file_name,
     check_files,
+    ensure_state_dir,
     parse_marker,
     read_marker,
     record,
@@ -50,8 +50,18 @@ from lingctl.pcache.tier_status import (
     remote_sizes,
 )
 
-__all__ = ["MARKER", "UploadResult", "Uploader", "cache_path", "fetch", "read_marker", "recorded_remote",
-           "resolve_for_read", "upload", "verify_local"]
+__all__ = [
+    "MARKER",
+    "UploadResult",
+    "Uploader",
+    "cache_path",
+    "fetch",
+    "read_marker",
+    "recorded_remote",
+    "resolve_for_read",
+    "upload",
+    "verify_local",
+]
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +125,28 @@ def _glob_literal(name: str) -> str:
     return "/" + "".join({"*": "[*]", "?": "[?]", "[": "?"}.get(c, c) for c in name)
 
 
-def _sync(src: StoreURL, dst: StoreURL, s3: S3Options, names: Iterable[str], *, journal: Path, verify: str,
-          jobs: int, commit_last: str | None = None) -> SyncResult:
-    opts = SyncOptions(include=[_glob_literal(n) for n in names], verify=verify, jobs=jobs,
-                       commit_last=commit_last, state_dir=journal)
+def _sync(
+    src: StoreURL,
+    dst: StoreURL,
+    s3: S3Options,
+    names: Iterable[str],
+    *,
+    journal: Path,
+    verify: str,
+    jobs: int,
+    commit_last: str | None = None,
+) -> SyncResult:
+    opts = SyncOptions(
+        include=[_glob_literal(n) for n in names], verify=verify, jobs=jobs, commit_last=commit_last, state_dir=journal
+    )
     result = Syncer(src, dst, s3, opts).run()
     if result.failed:
         first = result.failed[0]
         kind = VerificationError if any(f.get("kind") == "verify" for f in result.failed) else RetryableError
-        raise kind(f"{len(result.failed)} file(s) failed to copy to {dst}; first: {first['key']}: {first['error']}",
-                   hint="run the upload again: finished files are kept")
+        raise kind(
+            f"{len(result.failed)} file(s) failed to copy to {dst}; first: {first['key']}: {first['error']}",
+            hint="run the upload again: finished files are kept",
+        )
     return result
 
 
@@ -156,8 +178,10 @@ def _own_files(local_dir: Path, rank: int | None) -> list[str]:
         listed = _sidecar_files(local_dir / sidecar)
         missing = sorted(set(listed) - present)
         if missing:
-            raise NotFoundError(f"{local_dir}: {missing[0]} of rank {rank} is missing (listed in {sidecar})",
-                                hint="the save of this rank did not finish; its checkpoint cannot be uploaded")
+            raise NotFoundError(
+                f"{local_dir}: {missing[0]} of rank {rank} is missing (listed in {sidecar})",
+                hint="the save of this rank did not finish; its checkpoint cannot be uploaded",
+            )
         names |= set(listed)
     return sorted(names)
 
@@ -188,8 +212,17 @@ def _expected(local_dir: Path, marker: dict[str, Any] | None) -> dict[str, dict]
     return expected
 
 
-def upload(local_dir: Path, remote_url: str, s3: S3Options | None = None, *, rank: int | None = None,
-           finalize: bool = True, verify: str = "full", timeout_s: float = 3600, jobs: int = 8) -> UploadResult:
+def upload(
+    local_dir: Path,
+    remote_url: str,
+    s3: S3Options | None = None,
+    *,
+    rank: int | None = None,
+    finalize: bool = True,
+    verify: str = "full",
+    timeout_s: float = 3600,
+    jobs: int = 8,
+) -> UploadResult:
     """Copy ``rank``'s files of ``local_dir`` to ``remote_url``; with ``finalize`` (the coordinator), also
     wait for every other rank's files and send ``.metadata`` and then the marker.
 
@@ -210,22 +243,36 @@ def upload(local_dir: Path, remote_url: str, s3: S3Options | None = None, *, ran
     journal = ensure_state_dir(local_dir) / f"journal-{tag}-{hashlib.sha256(str(remote).encode()).hexdigest()[:12]}"
     marker = read_marker(local_dir)
     if finalize and marker is None:  # refused before anything is recorded: the checkpoint stays "incomplete"
-        raise VerificationError(f"{local_dir}: incomplete checkpoint (no {MARKER}), nothing to finalize",
-                                hint="the save did not finish; only complete checkpoints are made durable")
+        raise VerificationError(
+            f"{local_dir}: incomplete checkpoint (no {MARKER}), nothing to finalize",
+            hint="the save did not finish; only complete checkpoints are made durable",
+        )
     record(local_dir, rank, str(remote), "uploading")
     try:
         names = _own_files(local_dir, rank)
         problems = _file_problems(local_dir, _expected(local_dir, marker), names, verify)
         if problems:
-            raise VerificationError(f"{local_dir}: {problems[0]} ({len(problems)} problem(s)); nothing uploaded",
-                                    hint="the local copy is damaged; save the checkpoint again")
+            raise VerificationError(
+                f"{local_dir}: {problems[0]} ({len(problems)} problem(s)); nothing uploaded",
+                hint="the local copy is damaged; save the checkpoint again",
+            )
         local = parse_url(str(local_dir))
         if names:
             _add(result, _sync(local, remote, s3, names, journal=journal, verify=verify, jobs=jobs))
         if finalize:
             assert marker is not None
-            _finalize(local_dir, local, remote, s3, marker, result, journal=journal, verify=verify, jobs=jobs,
-                      timeout_s=timeout_s)
+            _finalize(
+                local_dir,
+                local,
+                remote,
+                s3,
+                marker,
+                result,
+                journal=journal,
+                verify=verify,
+                jobs=jobs,
+                timeout_s=timeout_s,
+            )
     except BaseException as exc:
         record(local_dir, rank, str(remote), "failed", error=str(exc) or type(exc).__name__)
         raise
@@ -235,8 +282,15 @@ def upload(local_dir: Path, remote_url: str, s3: S3Options | None = None, *, ran
     # The journal only lets an interrupted run continue a half-sent file; once done it has nothing to offer,
     # and a re-run recognises finished files from the remote listing.
     shutil.rmtree(journal, ignore_errors=True)
-    log.info("%s: %d file(s) (%d bytes) sent to %s, %d already there%s", local_dir, result.copied,
-             result.copied_bytes, remote, result.skipped, "; durable" if finalize else "")
+    log.info(
+        "%s: %d file(s) (%d bytes) sent to %s, %d already there%s",
+        local_dir,
+        result.copied,
+        result.copied_bytes,
+        remote,
+        result.skipped,
+        "; durable" if finalize else "",
+    )
     return result
 
 
@@ -246,8 +300,19 @@ def _add(result: UploadResult, synced: SyncResult) -> None:
     result.skipped += synced.skipped
 
 
-def _finalize(local_dir: Path, local: StoreURL, remote: StoreURL, s3: S3Options, marker: dict[str, Any],
-              result: UploadResult, *, journal: Path, verify: str, jobs: int, timeout_s: float) -> None:
+def _finalize(
+    local_dir: Path,
+    local: StoreURL,
+    remote: StoreURL,
+    s3: S3Options,
+    marker: dict[str, Any],
+    result: UploadResult,
+    *,
+    journal: Path,
+    verify: str,
+    jobs: int,
+    timeout_s: float,
+) -> None:
     files = {n: f for n, f in marker["files"].items() if n != METADATA}
     store = open_store(remote, s3)
     started = time.monotonic()
@@ -263,19 +328,24 @@ def _finalize(local_dir: Path, local: StoreURL, remote: StoreURL, s3: S3Options,
                 f"timed out after {timeout_s:g} s waiting for {len(waiting)} file(s) of {local_dir.name} at {remote} "
                 f"(first: {waiting[0]}); {MARKER} was not uploaded",
                 hint="the ranks that wrote them must upload them; 'lingctl pcache upload DIR --to URL' on a node "
-                     "that holds them finishes the job")
+                "that holds them finishes the job",
+            )
         log.debug("%s: waiting for %d file(s) of other ranks, e.g. %s", local_dir.name, len(waiting), waiting[0])
         time.sleep(min(delay, left))
         delay = min(delay * 2, 5.0)
     result.waited_s = round(time.monotonic() - started, 3)
     problems = remote_problems(store, files, sizes)
     if problems:
-        raise VerificationError(f"{remote}: {problems[0]} ({len(problems)} problem(s)); {MARKER} was not uploaded",
-                                hint="upload the damaged files again from the ranks that wrote them")
+        raise VerificationError(
+            f"{remote}: {problems[0]} ({len(problems)} problem(s)); {MARKER} was not uploaded",
+            hint="upload the damaged files again from the ranks that wrote them",
+        )
     if METADATA in marker["files"] and not (local_dir / METADATA).is_file():
         raise NotFoundError(f"{local_dir}: {METADATA} is missing", hint="finalize on the coordinator's node")
-    _add(result, _sync(local, remote, s3, [METADATA, MARKER], journal=journal, verify=verify, jobs=jobs,
-                       commit_last=MARKER))
+    _add(
+        result,
+        _sync(local, remote, s3, [METADATA, MARKER], journal=journal, verify=verify, jobs=jobs, commit_last=MARKER),
+    )
 
 
 # -- the background uploader --------------------------------------------------------------------------------
@@ -312,22 +382,48 @@ class Uploader:
         self._thread = threading.Thread(target=self._loop, name="pcache-upload", daemon=True)
         self._thread.start()
 
-    def submit(self, local_dir: Path, remote_url: str, s3: S3Options | None = None, *, rank: int | None = None,
-               finalize: bool = True, on_durable: Callable[[str], None] | None = None, verify: str = "full",
-               timeout_s: float = 3600) -> None:
+    def submit(
+        self,
+        local_dir: Path,
+        remote_url: str,
+        s3: S3Options | None = None,
+        *,
+        rank: int | None = None,
+        finalize: bool = True,
+        on_durable: Callable[[str], None] | None = None,
+        verify: str = "full",
+        timeout_s: float = 3600,
+    ) -> None:
         """Queue an ``upload``; ``on_durable(remote_url)`` runs on the upload thread once the marker is up."""
         with self._cv:
             if self._closed:
                 raise UsageError("this uploader is closed", hint="create a new Uploader")
             self._pending += 1
-        self._queue.put(_Job(local_dir=Path(local_dir), remote_url=remote_url, s3=s3, rank=rank, finalize=finalize,
-                             verify=verify, timeout_s=timeout_s, on_durable=on_durable))
+        self._queue.put(
+            _Job(
+                local_dir=Path(local_dir),
+                remote_url=remote_url,
+                s3=s3,
+                rank=rank,
+                finalize=finalize,
+                verify=verify,
+                timeout_s=timeout_s,
+                on_durable=on_durable,
+            )
+        )
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                result = upload(job.local_dir, job.remote_url, job.s3, rank=job.rank, finalize=job.finalize,
-                                verify=job.verify, timeout_s=job.timeout_s)
+                result = upload(
+                    job.local_dir,
+                    job.remote_url,
+                    job.s3,
+                    rank=job.rank,
+                    finalize=job.finalize,
+                    verify=job.verify,
+                    timeout_s=job.timeout_s,
+                )
                 if job.finalize and job.on_durable is not None:
                     job.on_durable(result.remote)
             except Exception as exc:  # kept for wait(): nothing may end the training process silently
@@ -351,8 +447,10 @@ class Uploader:
         """Wait for every submitted upload; return their results, or raise the first error since the last wait."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._pending == 0, timeout):
-                raise LingctlError(f"{self._pending} checkpoint upload(s) still running after {timeout:g} s",
-                                   hint="wait longer, or check the network and the destination")
+                raise LingctlError(
+                    f"{self._pending} checkpoint upload(s) still running after {timeout:g} s",
+                    hint="wait longer, or check the network and the destination",
+                )
             results, self._results = self._results, []
             errors, self._errors = self._errors, []
         if errors:
@@ -391,8 +489,10 @@ def fetch(remote_url: str, local_dir: Path, s3: S3Options | None = None, *, jobs
     try:
         raw = store.read(MARKER)
     except NotFoundError:
-        raise NotFoundError(f"{remote}: no {MARKER}, so not a complete checkpoint",
-                            hint="its upload may not have finished; check 'lingctl pcache status'") from None
+        raise NotFoundError(
+            f"{remote}: no {MARKER}, so not a complete checkpoint",
+            hint="its upload may not have finished; check 'lingctl pcache status'",
+        ) from None
     files = parse_marker(raw, f"{remote}/{MARKER}")["files"]
     stale = sorted(_bad_files(local_dir, files, files, "full"))
     aside: list[Path] = []
@@ -412,8 +512,10 @@ def fetch(remote_url: str, local_dir: Path, s3: S3Options | None = None, *, jobs
             shutil.rmtree(journal, ignore_errors=True)
             problems = _file_problems(local_dir, files, stale, "full")
             if problems:
-                raise VerificationError(f"{remote}: fetched copy of {problems[0]}",
-                                        hint="the remote copy is damaged; upload it again from a verified local copy")
+                raise VerificationError(
+                    f"{remote}: fetched copy of {problems[0]}",
+                    hint="the remote copy is damaged; upload it again from a verified local copy",
+                )
         local_dir.mkdir(parents=True, exist_ok=True)
         with atomic_write(local_dir / MARKER) as (_, f):
             f.write(raw)
@@ -450,8 +552,7 @@ def cache_path(url: str, cache_dir: Path | str | None) -> Path:
     return base / parsed.path.absolute().relative_to("/")
 
 
-def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None = None,
-                     exact: bool = False) -> Path:
+def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None = None, exact: bool = False) -> Path:
     """The local directory to read the checkpoint at ``url`` from.
 
     Whatever is returned has been verified in full: every file its marker lists (``.metadata`` among them)
@@ -467,13 +568,15 @@ def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None =
         if not path.is_dir():
             raise NotFoundError(f"checkpoint directory {path} does not exist")
         if read_marker(path) is None:
-            raise VerificationError(f"{path}: incomplete checkpoint (no {MARKER})",
-                                    hint="the save did not finish; read an earlier step")
+            raise VerificationError(
+                f"{path}: incomplete checkpoint (no {MARKER})", hint="the save did not finish; read an earlier step"
+            )
         problems = _read_problems(path)
         if problems:
-            raise VerificationError(f"{path}: {problems[0]} ({len(problems)} problem(s)); refusing to load it",
-                                    hint="the checkpoint is damaged or was changed after it was saved; "
-                                         "read an earlier step")
+            raise VerificationError(
+                f"{path}: {problems[0]} ({len(problems)} problem(s)); refusing to load it",
+                hint="the checkpoint is damaged or was changed after it was saved; read an earlier step",
+            )
         return path
     if not parsed.prefix:
         raise UsageError(f"{url} names a bucket, not a checkpoint", hint="give s3://bucket/path/to/checkpoint")
@@ -489,8 +592,9 @@ def resolve_for_read(url: str, *, cache_dir: Path | None, s3: S3Options | None =
     fetch(url, local, s3)
     problems = _read_problems(local)
     if problems:
-        raise VerificationError(f"{url}: {problems[0]}; refusing to load it",
-                                hint="the remote checkpoint is not one lingctl saved whole")
+        raise VerificationError(
+            f"{url}: {problems[0]}; refusing to load it", hint="the remote checkpoint is not one lingctl saved whole"
+        )
     log.info("reading %s from %s (fetched)", url, local)
     return local
 

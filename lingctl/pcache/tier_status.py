@@ -67,8 +67,9 @@ def check_files(files: object, where: str) -> dict[str, dict]:
         size = entry.get("size") if isinstance(entry, dict) else None
         crc = entry.get("crc64nvme") if isinstance(entry, dict) else None
         if type(size) is not int or size < 0 or not (crc is None or isinstance(crc, str)):
-            raise VerificationError(f"{where}: the entry of {printable(name)!r} is not {{size, crc64nvme}}",
-                                    hint=_DAMAGED)
+            raise VerificationError(
+                f"{where}: the entry of {printable(name)!r} is not {{size, crc64nvme}}", hint=_DAMAGED
+            )
     return files
 
 
@@ -84,8 +85,10 @@ def parse_marker(data: bytes, where: str) -> dict[str, Any]:
         raise VerificationError(f"{where} is not a valid {FORMAT} marker", hint=_DAMAGED)
     version = marker.get("version", 1)
     if type(version) is not int or version > 1:
-        raise UsageError(f"{where} has marker version {printable(repr(version))[:40]}, newer than this lingctl "
-                         "reads (1)", hint="upgrade lingctl")
+        raise UsageError(
+            f"{where} has marker version {printable(repr(version))[:40]}, newer than this lingctl reads (1)",
+            hint="upgrade lingctl",
+        )
     check_files(marker.get("files"), where)
     return marker
 
@@ -145,8 +148,16 @@ def _state_path(local_dir: Path, rank: int | None) -> Path:
 
 
 def record(local_dir: Path, rank: int | None, remote: str, phase: str, **extra: Any) -> None:
-    state = {"remote": remote, "rank": rank, "phase": phase, "pid": os.getpid(), "host": socket.gethostname(),
-             "updated_unix": time.time(), "local_dir": str(Path(local_dir).absolute()), **extra}
+    state = {
+        "remote": remote,
+        "rank": rank,
+        "phase": phase,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "updated_unix": time.time(),
+        "local_dir": str(Path(local_dir).absolute()),
+        **extra,
+    }
     try:
         with atomic_write(_state_path(local_dir, rank)) as (_, f):
             f.write(json.dumps(state).encode())
@@ -164,8 +175,11 @@ def records(local_dir: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError, RecursionError):
             continue  # a note being replaced right now; the next look will see it
         # Notes are advisory: one that is not what record() writes is skipped, never trusted.
-        if isinstance(rec, dict) and isinstance(rec.get("remote"), str) \
-                and isinstance(rec.get("updated_unix", 0), (int, float)):
+        if (
+            isinstance(rec, dict)
+            and isinstance(rec.get("remote"), str)
+            and isinstance(rec.get("updated_unix", 0), (int, float))
+        ):
             out.append(rec)
     return sorted(out, key=lambda r: r.get("updated_unix", 0), reverse=True)
 
@@ -290,8 +304,9 @@ def _local_files(local_dir: Path) -> dict[str, int]:
     return out
 
 
-def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
-                      s3: S3Options | None = None) -> CheckpointStatus:
+def checkpoint_status(
+    local_dir: Path, *, name: str, remote: str | None, s3: S3Options | None = None
+) -> CheckpointStatus:
     local_dir = Path(local_dir).absolute()
     unreadable = False
     problems: list[str] = []
@@ -302,8 +317,16 @@ def checkpoint_status(local_dir: Path, *, name: str, remote: str | None,
         problems.append(f"cannot list {local_dir}: {exc.strerror or exc}")
     recs = records(local_dir)
     remote = remote or (recs[0]["remote"] if recs else None)
-    st = CheckpointStatus(name=name, local_dir=local_dir, remote=remote, state="local-only", files=len(local),
-                          bytes=sum(local.values()), uploaded_bytes=0, problems=problems)
+    st = CheckpointStatus(
+        name=name,
+        local_dir=local_dir,
+        remote=remote,
+        state="local-only",
+        files=len(local),
+        bytes=sum(local.values()),
+        uploaded_bytes=0,
+        problems=problems,
+    )
     try:
         marker = read_marker(local_dir)
     except LingctlError as exc:  # damaged, unsafe, newer or unreadable: say so, go on with the others

@@ -32,11 +32,15 @@ class Topology:
             raise UsageError(f"node indexes must be >= 0, got {min(used)}")
         missing = sorted(set(range(nodes)) - used)
         if missing:
-            raise UsageError(f"node {missing[0]} has no ranks in the rank map",
-                             hint="number nodes 0..N-1 and give each at least one rank")
+            raise UsageError(
+                f"node {missing[0]} has no ranks in the rank map",
+                hint="number nodes 0..N-1 and give each at least one rank",
+            )
         if len(self.node_bandwidth) != nodes:
-            raise UsageError(f"{len(self.node_bandwidth)} bandwidth value(s) for {nodes} node(s)",
-                             hint="give one value for all nodes, or one per node")
+            raise UsageError(
+                f"{len(self.node_bandwidth)} bandwidth value(s) for {nodes} node(s)",
+                hint="give one value for all nodes, or one per node",
+            )
         for i, bw in enumerate(self.node_bandwidth):
             if not bw > 0:
                 raise UsageError(f"node {i}: bandwidth must be positive, got {bw:g}")
@@ -91,8 +95,9 @@ def parse_bandwidth(text: str) -> list[float]:
         try:
             value = float(part)
         except ValueError:
-            raise UsageError(f"--node-bandwidth: {part!r} is not a number",
-                             hint="give GB/s, one value or one per node: 2 or 2,2,1,2") from None
+            raise UsageError(
+                f"--node-bandwidth: {part!r} is not a number", hint="give GB/s, one value or one per node: 2 or 2,2,1,2"
+            ) from None
         if not value > 0:
             raise UsageError(f"--node-bandwidth: values must be positive, got {part}")
         values.append(value * 1e9)
@@ -116,5 +121,7 @@ def parse_rank_map(text: str) -> list[int]:
     try:
         return [int(x) for x in source.split(",") if x.strip() != ""]
     except ValueError:
-        raise UsageError(f"--rank-map: {text!r} is not a list of node indexes",
-                         hint="give the node of each rank in rank order, e.g. 0,0,1,1, or a .json file") from None
+        raise UsageError(
+            f"--rank-map: {text!r} is not a list of node indexes",
+            hint="give the node of each rank in rank order, e.g. 0,0,1,1, or a .json file",
+        ) from None

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -133,9 +133,15 @@ class StagingBuffer:
 class PCacheWriter(FileSystemWriter):
     """Write a DCP checkpoint into ``path`` (one directory per checkpoint)."""
 
-    def __init__(self, path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 throttle: NodeThrottle | Throttles | None = None, sync_files: bool = True,
-                 extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        throttle: NodeThrottle | Throttles | None = None,
+        sync_files: bool = True,
+        extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.buffer = StagingBuffer(buffer_bytes)
         self.throttle = throttle
@@ -156,8 +162,10 @@ class PCacheWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if (self.directory / MARKER).exists():
-            raise UsageError(f"{self.directory} already holds a committed checkpoint",
-                             hint="save each checkpoint to its own directory")
+            raise UsageError(
+                f"{self.directory} already holds a committed checkpoint",
+                hint="save each checkpoint to its own directory",
+            )
         self.directory.mkdir(parents=True, exist_ok=True)
         return plan
 
@@ -168,9 +176,12 @@ class PCacheWriter(FileSystemWriter):
         for entry in self.directory.iterdir():
             if entry.is_file() and (entry.name.startswith("__") or entry.name.startswith(METADATA)):
                 entry.unlink(missing_ok=True)
-        return [p if p.storage_data is not None else SavePlan(p.items, storage_data=_StoragePrefix(f"__{i}_"),
-                                                              planner_data=p.planner_data)
-                for i, p in enumerate(plans)]
+        return [
+            p
+            if p.storage_data is not None
+            else SavePlan(p.items, storage_data=_StoragePrefix(f"__{i}_"), planner_data=p.planner_data)
+            for i, p in enumerate(plans)
+        ]
 
     # -- writing ----------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -184,17 +195,23 @@ class PCacheWriter(FileSystemWriter):
             with open(self.directory / name, "wb", buffering=1 << 20) as f:
                 sink = _Sink(f, self.throttle)
                 # Small non-tensor values first, then tensors largest first (the order DCP's writer uses).
-                ordered = sorted(plan.items, key=lambda i: (i.type != WriteItemType.BYTE_IO,
-                                                            -item_bytes(i)))
+                ordered = sorted(plan.items, key=lambda i: (i.type != WriteItemType.BYTE_IO, -item_bytes(i)))
                 for item in ordered:
                     offset = sink.tell()
                     data = planner.resolve_data(item)
+                    # DCP resolves BYTE_IO items to BytesIO and every other item to a tensor.
                     if item.type == WriteItemType.BYTE_IO:
-                        sink.write(data.getbuffer())
+                        sink.write(cast(io.BytesIO, data).getbuffer())
                     else:
-                        torch.save(self.buffer.stage(data), sink)
-                    results.append(WriteResult(index=item.index, size_in_bytes=sink.tell() - offset,
-                                               storage_data=_StorageInfo(name, offset, sink.tell() - offset)))
+                        # _Sink is a RawIOBase with the write/tell torch.save uses; typeshed wants IO[bytes].
+                        torch.save(self.buffer.stage(cast(torch.Tensor, data)), sink)  # type: ignore[arg-type]
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=sink.tell() - offset,
+                            storage_data=_StorageInfo(name, offset, sink.tell() - offset),
+                        )
+                    )
                 sink.finish()
                 if self.sync_files:
                     os.fsync(f.fileno())
@@ -207,8 +224,13 @@ class PCacheWriter(FileSystemWriter):
         # The coordinator may be on another node and cannot read these files: their sizes and CRCs travel
         # to it with the write results, under keys that finish() takes out before DCP's metadata is saved.
         for fname, info in files.items():
-            results.append(WriteResult(index=MetadataIndex(_FILE_KEY + fname), size_in_bytes=info["size"],
-                                       storage_data=_StorageInfo(fname, 0, info["size"], [info["crc64nvme"]])))
+            results.append(
+                WriteResult(
+                    index=MetadataIndex(_FILE_KEY + fname),
+                    size_in_bytes=info["size"],
+                    storage_data=_StorageInfo(fname, 0, info["size"], [info["crc64nvme"]]),
+                )
+            )
         self.write_seconds += time.monotonic() - start
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -222,6 +244,7 @@ class PCacheWriter(FileSystemWriter):
             for wr in rank_results:
                 if wr.index.fqn.startswith(_FILE_KEY):
                     info: _StorageInfo = wr.storage_data
+                    assert info.transform_descriptors is not None  # file results carry their CRC (write_data)
                     files[info.relative_path] = {"size": info.length, "crc64nvme": info.transform_descriptors[0]}
                 else:
                     kept.append(wr)
@@ -229,8 +252,13 @@ class PCacheWriter(FileSystemWriter):
         super().finish(metadata, data_results)  # .metadata via temp + rename
         meta = self.directory / METADATA
         files[METADATA] = {"size": meta.stat().st_size, "crc64nvme": crc64_file(meta).tagged()}
-        marker = {"format": FORMAT, "version": 1, "world_size": len(results), "created_unix": time.time(),
-                  "files": dict(sorted(files.items())),
-                  **(self.extra() if callable(self.extra) else self.extra)}
+        marker = {
+            "format": FORMAT,
+            "version": 1,
+            "world_size": len(results),
+            "created_unix": time.time(),
+            "files": dict(sorted(files.items())),
+            **(self.extra() if callable(self.extra) else self.extra),
+        }
         with atomic_write(self.directory / MARKER) as (_, f):
             f.write((json.dumps(marker, indent=1) + "\n").encode())

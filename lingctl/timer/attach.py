@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
-from lingctl.timer.ring import (NO_GROUP, Header, Kind, Record, RingReader, check_ring_dir, ring_dir,
-                                user_ring_dir)
+from lingctl.timer.ring import NO_GROUP, Header, Kind, Record, RingReader, check_ring_dir, ring_dir, user_ring_dir
 from lingctl.timer.steps import breakdown, kind_name, op_name
 
-NOT_TRACED = ("not traced: no step times; start it under `lingctl timer run` or call lingctl.timer.install()")
+NOT_TRACED = "not traced: no step times; start it under `lingctl timer run` or call lingctl.timer.install()"
 STACKS_TIMEOUT_S = 2.0
 STALE_HEARTBEAT_S = 1.0  # the tracer beats every 0.1 s; a second of silence means its thread cannot run
 
@@ -37,7 +36,7 @@ def find_ring(pid: int, create_time: float | None = None, uid: int | None = None
     A ring left by an earlier process with the same pid is ignored (its start time differs). A ring directory
     that is not private to its user is refused (``AccessDeniedError``): what is in it may have been planted.
     """
-    candidates = [(ring_dir(), None)]
+    candidates: list[tuple[Path, int | None]] = [(ring_dir(), None)]
     if uid is not None and uid != os.getuid():
         candidates.append((user_ring_dir(uid), uid))
     for directory, owner in candidates:
@@ -155,9 +154,16 @@ def gpu_facts(pid: int) -> tuple[list[dict] | None, str | None]:
             util = pynvml.nvmlDeviceGetUtilizationRates(handle)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = pynvml.nvmlDeviceGetName(handle)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "process_memory_bytes": used, "utilization_percent": util.gpu,
-                        "memory_used_bytes": mem.used, "memory_total_bytes": mem.total})
+            out.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "process_memory_bytes": used,
+                    "utilization_percent": util.gpu,
+                    "memory_used_bytes": mem.used,
+                    "memory_total_bytes": mem.total,
+                }
+            )
         return out, None
     except Exception as err:  # no driver, no library, no device: GPU figures are optional
         _nvml["error"] = f"no GPU figures (NVML: {err})"
@@ -189,18 +195,32 @@ class Attacher:
         try:
             with self.proc.oneshot():
                 mem = self.proc.memory_info()
-                process = {"cmdline": self.proc.cmdline(), "status": self.proc.status(),
-                           "cpu_percent": self.proc.cpu_percent(None), "rss_bytes": mem.rss,
-                           "threads": self.proc.num_threads(), "user": self.proc.username()}
+                process = {
+                    "cmdline": self.proc.cmdline(),
+                    "status": self.proc.status(),
+                    "cpu_percent": self.proc.cpu_percent(None),
+                    "rss_bytes": mem.rss,
+                    "threads": self.proc.num_threads(),
+                    "user": self.proc.username(),
+                }
         except psutil.NoSuchProcess:
             raise NotFoundError(f"process {self.pid} exited") from None
         except psutil.AccessDenied:
             raise access_denied(self.pid) from None
         gpus, gpu_note = gpu_facts(self.pid)
-        snap: dict[str, Any] = {"pid": self.pid, "traced": self.traced, "note": None if self.traced else NOT_TRACED,
-                                "time": time.time(), "process": process, "gpus": gpus, "gpu_note": gpu_note,
-                                "trace": self._trace() if self.reader is not None else None,
-                                "stacks": None, "stacks_source": None, "stacks_note": None}
+        snap: dict[str, Any] = {
+            "pid": self.pid,
+            "traced": self.traced,
+            "note": None if self.traced else NOT_TRACED,
+            "time": time.time(),
+            "process": process,
+            "gpus": gpus,
+            "gpu_note": gpu_note,
+            "trace": self._trace() if self.reader is not None else None,
+            "stacks": None,
+            "stacks_source": None,
+            "stacks_note": None,
+        }
         if stacks:
             self._stacks(snap)
         return snap
@@ -250,9 +270,13 @@ def inside(h: Header, now_ns: int) -> dict | None:
         return None
     names = {g.index: g.name for g in h.groups}
     comm = h.cur_kind in (Kind.COLLECTIVE, Kind.P2P)
-    return {"kind": kind_name(h.cur_kind), "op": op_name(h.cur_op) if comm else None,
-            "group": names.get(h.cur_group, str(h.cur_group)) if comm and h.cur_group != NO_GROUP else None,
-            "seq": h.cur_seq if comm else None, "for_s": max(0, now_ns - h.cur_since_ns) / 1e9}
+    return {
+        "kind": kind_name(h.cur_kind),
+        "op": op_name(h.cur_op) if comm else None,
+        "group": names.get(h.cur_group, str(h.cur_group)) if comm and h.cur_group != NO_GROUP else None,
+        "seq": h.cur_seq if comm else None,
+        "for_s": max(0, now_ns - h.cur_since_ns) / 1e9,
+    }
 
 
 def describe_inside(i: dict | None) -> str:
@@ -268,12 +292,26 @@ def describe_inside(i: dict | None) -> str:
 def header_facts(h: Header, now_ns: int) -> dict:
     """The live state a ring header holds, as plain values (ages in seconds on the process's clock)."""
     return {
-        "rank": h.rank, "world": h.world, "local_rank": h.local_rank, "step": h.step, "enabled": h.enabled,
-        "argv": h.argv, "heartbeat_age_s": max(0, now_ns - h.heartbeat_ns) / 1e9,
+        "rank": h.rank,
+        "world": h.world,
+        "local_rank": h.local_rank,
+        "step": h.step,
+        "enabled": h.enabled,
+        "argv": h.argv,
+        "heartbeat_age_s": max(0, now_ns - h.heartbeat_ns) / 1e9,
         "step_elapsed_s": max(0, now_ns - h.step_start_ns) / 1e9 if h.step_start_ns else None,
         "inside": inside(h, now_ns),
-        "groups": [{"name": g.name, "size": g.size, "started_seq": g.started_seq, "completed_seq": g.completed_seq,
-                    "in_flight": g.in_flight, "last_op": op_name(g.last_op)} for g in h.groups],
+        "groups": [
+            {
+                "name": g.name,
+                "size": g.size,
+                "started_seq": g.started_seq,
+                "completed_seq": g.completed_seq,
+                "in_flight": g.in_flight,
+                "last_op": op_name(g.last_op),
+            }
+            for g in h.groups
+        ],
     }
 
 
@@ -299,20 +337,26 @@ def status_line(snap: dict) -> str:
     parts = sorted(b["parts_s"].items(), key=lambda kv: -kv[1]["mean"])[:4]
     mean = b["step_time_s"]["mean"]
     split = ", ".join(f"{name} {s['mean'] / mean:.0%}" for name, s in parts) if mean > 0 else "no finished step"
-    return (f"rank {t['rank']}/{t['world']} step {t['step']}: {_ms(mean)}/step ({split}); "
-            f"{describe_inside(t['inside'])}; heartbeat {t['heartbeat_age_s']:.1f} s ago; {proc}")
+    return (
+        f"rank {t['rank']}/{t['world']} step {t['step']}: {_ms(mean)}/step ({split}); "
+        f"{describe_inside(t['inside'])}; heartbeat {t['heartbeat_age_s']:.1f} s ago; {proc}"
+    )
 
 
 def render(snap: dict) -> str:
     """The full snapshot for people: process, GPU, trace state, step breakdown, groups, stacks."""
     p = snap["process"]
-    lines = [f"pid {snap['pid']}  {' '.join(p['cmdline'])[:120]}",
-             f"  {p['status']}, cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['threads']} threads, "
-             f"user {p['user']}"]
+    lines = [
+        f"pid {snap['pid']}  {' '.join(p['cmdline'])[:120]}",
+        f"  {p['status']}, cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['threads']} threads, "
+        f"user {p['user']}",
+    ]
     for g in snap["gpus"] or []:
-        lines.append(f"  gpu {g['index']} {g['name']}: {g['utilization_percent']}% busy, process holds "
-                     f"{_size(g['process_memory_bytes'])} ({_size(g['memory_used_bytes'])} of "
-                     f"{_size(g['memory_total_bytes'])} used)")
+        lines.append(
+            f"  gpu {g['index']} {g['name']}: {g['utilization_percent']}% busy, process holds "
+            f"{_size(g['process_memory_bytes'])} ({_size(g['memory_used_bytes'])} of "
+            f"{_size(g['memory_total_bytes'])} used)"
+        )
     if snap["gpu_note"] and snap["gpus"] is None:
         lines.append(f"  {snap['gpu_note']}")
     t = snap["trace"]
@@ -320,18 +364,24 @@ def render(snap: dict) -> str:
         lines.append(snap["note"])
     else:
         beat = t["heartbeat_age_s"]
-        lines.append(f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
-                     f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago")
+        lines.append(
+            f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
+            f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago"
+        )
         if beat > STALE_HEARTBEAT_S:
-            lines.append("  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
-                         "tracing stopped (try --stacks)")
+            lines.append(
+                "  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
+                "tracing stopped (try --stacks)"
+            )
         if not t["enabled"]:
             lines.append("  tracing disabled itself after an internal error: the figures below stop there")
         b = t["breakdown"]
         if b["steps"]:
             st = b["step_time_s"]
-            lines.append(f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
-                         f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s")
+            lines.append(
+                f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
+                f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s"
+            )
             for name, s in b["parts_s"].items():
                 share = s["mean"] / st["mean"] if st["mean"] > 0 else 0.0
                 lines.append(f"  {name:<15} {_ms(s['mean']):>10} mean {_ms(s['last']):>10} last  {share:5.1%}")
@@ -339,8 +389,10 @@ def render(snap: dict) -> str:
             lines.append("no finished step yet (steps end at the optimizer's step())")
         for g in t["groups"]:
             state = "in flight" if g["in_flight"] else "idle"
-            lines.append(f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
-                         f"#{g['completed_seq']}, {state}, last {g['last_op']}")
+            lines.append(
+                f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
+                f"#{g['completed_seq']}, {state}, last {g['last_op']}"
+            )
     if snap["stacks"]:
         lines.append(f"stacks ({snap['stacks_source']}):")
         lines.extend("  " + line for line in snap["stacks"].rstrip().splitlines())

@@ -146,16 +146,20 @@ class Diagnosis:
         lines = [f"verdict: {self.verdict}: {self.summary}"]
         for g in self.groups:
             if g.waiting or g.never_arrived:
-                lines.append(f"group {g.group}: {g.op} #{g.seq}: waiting {_ranks(g.waiting) or 'none'}, never "
-                             f"arrived {_ranks(g.never_arrived) or 'none'}")
+                lines.append(
+                    f"group {g.group}: {g.op} #{g.seq}: waiting {_ranks(g.waiting) or 'none'}, never "
+                    f"arrived {_ranks(g.never_arrived) or 'none'}"
+                )
         for r in self.ranks:
             beat = f", heartbeat {r.heartbeat_age_s:.1f} s ago" if r.heartbeat_age_s is not None else ""
             step = f"step {r.step}" if r.step is not None else "no step"
             lines.append(f"rank {r.rank} (pid {r.pid}, {r.source}): {step}, {r.where}{beat}")
         if self.straggler is not None:
             s = self.straggler
-            lines.append(f"straggler: rank {s.rank} ({s.category}), last to arrive at "
-                         f"{s.last_arrival_share:.0%} of {self.collectives_compared} collectives")
+            lines.append(
+                f"straggler: rank {s.rank} ({s.category}), last to arrive at "
+                f"{s.last_arrival_share:.0%} of {self.collectives_compared} collectives"
+            )
             for metric, values in s.evidence.items():
                 lines.append(f"  {metric:<12} " + "  ".join(f"r{k}={v * 1e3:.1f}ms" for k, v in sorted(values.items())))
         for r in self.ranks:
@@ -171,15 +175,23 @@ def _ranks(items: Any) -> str:
 
 
 # -- loading -----------------------------------------------------------------------------------------------
-def diagnose(out_dir: Path | None = None, pids: list[int] | None = None, *, hang_after_s: float = 5.0,
-             stacks: bool = True, last_collectives: int = 50, last_steps: int = 20) -> Diagnosis:
+def diagnose(
+    out_dir: Path | None = None,
+    pids: list[int] | None = None,
+    *,
+    hang_after_s: float = 5.0,
+    stacks: bool = True,
+    last_collectives: int = 50,
+    last_steps: int = 20,
+) -> Diagnosis:
     """Diagnose a job from its trace directory (``lingctl timer run --out DIR`` / ``install(out)``) or from the
     pids of its traced processes. Raises ``NotFoundError`` when there is nothing to read."""
     if (out_dir is None) == (pids is None):
         raise ValueError("give exactly one of out_dir and pids")
     ranks = load_dir(out_dir) if out_dir is not None else load_pids(pids or [])
-    return analyse(ranks, hang_after_s=hang_after_s, stacks=stacks, last_collectives=last_collectives,
-                   last_steps=last_steps)
+    return analyse(
+        ranks, hang_after_s=hang_after_s, stacks=stacks, last_collectives=last_collectives, last_steps=last_steps
+    )
 
 
 def from_ring(path: Path, *, hostname: str | None = None, owner: int | None = None) -> RankData:
@@ -190,12 +202,24 @@ def from_ring(path: Path, *, hostname: str | None = None, owner: int | None = No
         records, _ = reader.records(0)
     finally:
         reader.close()
-    groups = {g.name: GroupSeq(g.started_seq, g.completed_seq, g.in_flight, g.started_ns, g.last_op, g.size)
-              for g in h.groups}
-    return RankData(rank=h.rank, pid=h.pid, world=h.world, records=records,
-                    group_names={g.index: g.name for g in h.groups}, groups=groups,
-                    mono_anchor_ns=h.mono_anchor_ns, wall_anchor_ns=h.wall_anchor_ns, source="ring", alive=True,
-                    hostname=hostname, header=h, ring=Path(path))
+    groups = {
+        g.name: GroupSeq(g.started_seq, g.completed_seq, g.in_flight, g.started_ns, g.last_op, g.size) for g in h.groups
+    }
+    return RankData(
+        rank=h.rank,
+        pid=h.pid,
+        world=h.world,
+        records=records,
+        group_names={g.index: g.name for g in h.groups},
+        groups=groups,
+        mono_anchor_ns=h.mono_anchor_ns,
+        wall_anchor_ns=h.wall_anchor_ns,
+        source="ring",
+        alive=True,
+        hostname=hostname,
+        header=h,
+        ring=Path(path),
+    )
 
 
 def from_log(meta: dict, records: list[Record]) -> RankData:
@@ -209,10 +233,19 @@ def from_log(meta: dict, records: list[Record]) -> RankData:
                 groups[name] = GroupSeq(r.seq, r.seq, False, r.start_ns, r.op)
     pid = meta.get("pid")
     local = meta.get("hostname") in (None, socket.gethostname())
-    return RankData(rank=int(meta.get("rank", 0)), pid=pid, world=int(meta.get("world", 1)), records=records,
-                    group_names=names, groups=groups, mono_anchor_ns=int(meta.get("mono_anchor_ns", 0)),
-                    wall_anchor_ns=int(meta.get("wall_anchor_ns", 0)), source="log",
-                    alive=local and pid is not None and pid_alive(int(pid)), hostname=meta.get("hostname"))
+    return RankData(
+        rank=int(meta.get("rank", 0)),
+        pid=pid,
+        world=int(meta.get("world", 1)),
+        records=records,
+        group_names=names,
+        groups=groups,
+        mono_anchor_ns=int(meta.get("mono_anchor_ns", 0)),
+        wall_anchor_ns=int(meta.get("wall_anchor_ns", 0)),
+        source="log",
+        alive=local and pid is not None and pid_alive(int(pid)),
+        hostname=meta.get("hostname"),
+    )
 
 
 def load_dir(out_dir: Path) -> list[RankData]:
@@ -224,8 +257,9 @@ def load_dir(out_dir: Path) -> list[RankData]:
         raise NotFoundError(f"{out_dir}: no such directory")
     runs = logs.find_runs(out_dir)
     if not runs:
-        raise NotFoundError(f"{out_dir}: no traces (rank-*.meta.json)",
-                            hint="trace a job with `lingctl timer run --out DIR -- CMD`")
+        raise NotFoundError(
+            f"{out_dir}: no traces (rank-*.meta.json)", hint="trace a job with `lingctl timer run --out DIR -- CMD`"
+        )
     host = socket.gethostname()
     out = []
     for meta in runs:
@@ -277,8 +311,10 @@ def load_pids(pids: list[int]) -> list[RankData]:
         proc = open_process(pid)
         ring = find_ring(pid, proc.create_time(), proc.uids().real)
         if ring is None:
-            raise NotFoundError(f"process {pid} is not traced (no trace ring)",
-                                hint="start it under `lingctl timer run` or call lingctl.timer.install()")
+            raise NotFoundError(
+                f"process {pid} is not traced (no trace ring)",
+                hint="start it under `lingctl timer run` or call lingctl.timer.install()",
+            )
         try:
             out.append(from_ring(ring, hostname=socket.gethostname()))
         except (OSError, ValueError, psutil.Error) as err:
@@ -287,8 +323,15 @@ def load_pids(pids: list[int]) -> list[RankData]:
 
 
 # -- analysis ----------------------------------------------------------------------------------------------
-def analyse(ranks: list[RankData], *, hang_after_s: float = 5.0, stacks: bool = True, last_collectives: int = 50,
-            last_steps: int = 20, now_ns: int | None = None) -> Diagnosis:
+def analyse(
+    ranks: list[RankData],
+    *,
+    hang_after_s: float = 5.0,
+    stacks: bool = True,
+    last_collectives: int = 50,
+    last_steps: int = 20,
+    now_ns: int | None = None,
+) -> Diagnosis:
     """The diagnosis of ``ranks`` (see the module doc). ``now_ns``: the monotonic clock of the live ranks."""
     now = time.monotonic_ns() if now_ns is None else now_ns
     notes: list[str] = []
@@ -315,8 +358,9 @@ def analyse(ranks: list[RankData], *, hang_after_s: float = 5.0, stacks: bool = 
         g = longest[1]
         assert g is not None
         verdict = "hang"
-        summary = f"rank(s) {_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to " \
-                  f"{longest[0]:.1f} s; "
+        summary = (
+            f"rank(s) {_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to {longest[0]:.1f} s; "
+        )
         if g.never_arrived:
             where = "; ".join(f"rank {r.rank} {r.where}" for r in reports if r.rank in g.never_arrived)
             summary += f"never arrived: {where}"
@@ -324,7 +368,8 @@ def analyse(ranks: list[RankData], *, hang_after_s: float = 5.0, stacks: bool = 
             summary += "every member is inside it: the collective itself is stuck (network, or mismatched calls)"
         if g.mismatched_ops:
             summary += "; members are in different collectives at this sequence number: " + ", ".join(
-                f"rank {k} {v}" for k, v in sorted(g.mismatched_ops.items()))
+                f"rank {k} {v}" for k, v in sorted(g.mismatched_ops.items())
+            )
     elif straggler is not None:
         verdict = "straggler"
         summary = f"rank {straggler.rank} is the straggler ({straggler.category})"
@@ -340,12 +385,23 @@ def analyse(ranks: list[RankData], *, hang_after_s: float = 5.0, stacks: bool = 
     for g in groups:
         ended = [r.rank for r in ranks if r.rank in g.never_arrived and r.source == "log"]
         if ended and not g.waiting:
-            notes.append(f"rank(s) {_ranks(ended)} stopped before {g.op} #{g.seq} of group {g.group}, which other "
-                         "ranks completed or started (logs hold finished calls only: a hang the job ended in "
-                         "shows as this)")
-    return Diagnosis(verdict=verdict, summary=summary, hang_after_s=hang_after_s, ranks=reports, groups=groups,
-                     straggler=straggler, collectives_compared=compared, last_arrivals=last,
-                     mean_lateness_s=lateness, notes=notes)
+            notes.append(
+                f"rank(s) {_ranks(ended)} stopped before {g.op} #{g.seq} of group {g.group}, which other "
+                "ranks completed or started (logs hold finished calls only: a hang the job ended in "
+                "shows as this)"
+            )
+    return Diagnosis(
+        verdict=verdict,
+        summary=summary,
+        hang_after_s=hang_after_s,
+        ranks=reports,
+        groups=groups,
+        straggler=straggler,
+        collectives_compared=compared,
+        last_arrivals=last,
+        mean_lateness_s=lateness,
+        notes=notes,
+    )
 
 
 def _one_per_rank(ranks: list[RankData], notes: list[str]) -> list[RankData]:
@@ -359,8 +415,11 @@ def _one_per_rank(ranks: list[RankData], notes: list[str]) -> list[RankData]:
             best[r.rank] = r
     skipped = [r for r in ranks if best[r.rank] is not r]
     if skipped:
-        notes.append("ignored " + ", ".join(f"pid {r.pid} (also rank {r.rank})" for r in skipped)
-                     + ": a launcher or another run in the same directory")
+        notes.append(
+            "ignored "
+            + ", ".join(f"pid {r.pid} (also rank {r.rank})" for r in skipped)
+            + ": a launcher or another run in the same directory"
+        )
     return sorted(best.values(), key=lambda r: r.rank)
 
 
@@ -414,8 +473,19 @@ def _rank_report(r: RankData, stats: Any, now: int) -> RankReport:
         if not facts["enabled"]:
             where += " (tracing disabled itself)"
         age = None if r.stopped_ns is not None else facts["heartbeat_age_s"]
-        return RankReport(r.rank, r.pid, r.hostname, r.source, r.alive, r.header.step, age,
-                          facts["inside"], where, started, stats.to_json(r.group_names))
+        return RankReport(
+            r.rank,
+            r.pid,
+            r.hostname,
+            r.source,
+            r.alive,
+            r.header.step,
+            age,
+            facts["inside"],
+            where,
+            started,
+            stats.to_json(r.group_names),
+        )
     if r.hostname not in (None, socket.gethostname()):
         where = f"on {r.hostname}: read from its log, no live state"
     else:
@@ -426,8 +496,9 @@ def _rank_report(r: RankData, stats: Any, now: int) -> RankReport:
         name = op_name(last.op) if last.kind in (Kind.COLLECTIVE, Kind.P2P) else kind_name(last.kind)
         where += f"; its last finished traced call was {name}"
     finished = stats.last_step + 1 if stats.last_step is not None else None
-    return RankReport(r.rank, r.pid, r.hostname, r.source, r.alive, finished, None, None, where, started,
-                      stats.to_json(r.group_names))
+    return RankReport(
+        r.rank, r.pid, r.hostname, r.source, r.alive, finished, None, None, where, started, stats.to_json(r.group_names)
+    )
 
 
 def _attach_stacks(ranks: list[RankData], reports: list[RankReport]) -> None:
@@ -441,14 +512,16 @@ def _attach_stacks(ranks: list[RankData], reports: list[RankReport]) -> None:
             rep.stacks = found[rep.rank]
 
 
-def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int
-              ) -> tuple[int, dict[int, int], dict[int, float], Straggler | None]:
+def _slowdown(
+    ranks: list[RankData], stats: dict[int, Any], last_n: int
+) -> tuple[int, dict[int, int], dict[int, float], Straggler | None]:
     if len(ranks) < 2:
         return 0, {}, {}, None
     calls: dict[int, dict[tuple[str, int], Record]] = {}
     for r in ranks:
-        calls[r.rank] = {(r.group_names.get(c.group, str(c.group)), c.seq): c
-                         for c in r.records if c.kind == Kind.COLLECTIVE}
+        calls[r.rank] = {
+            (r.group_names.get(c.group, str(c.group)), c.seq): c for c in r.records if c.kind == Kind.COLLECTIVE
+        }
     wall = {r.rank: r.to_wall_ns for r in ranks}
     common = set.intersection(*(set(c) for c in calls.values()))
     keys = sorted(common, key=lambda k: statistics.median(wall[r](calls[r][k].start_ns) for r in calls))[-last_n:]
@@ -459,8 +532,8 @@ def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int
         order = sorted(starts, key=lambda r: starts[r])
         if starts[order[-1]] - starts[order[-2]] >= TIE_NS:
             last[order[-1]] += 1
-        for r, s in starts.items():
-            late[r].append((s - statistics.median(v for q, v in starts.items() if q != r)) / 1e9)
+        for rank, s in starts.items():
+            late[rank].append((s - statistics.median(v for q, v in starts.items() if q != rank)) / 1e9)
     lateness = {r: statistics.fmean(v) if v else 0.0 for r, v in late.items()}
     n = len(keys)
     step_means = [s.step_time.mean for s in stats.values() if s.steps]
@@ -469,8 +542,9 @@ def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int
         "data": {r: s.parts["data"].mean if "data" in s.parts else 0.0 for r, s in stats.items()},
         "compute": {r: sum(s.parts[c].mean for c in COMPUTE if c in s.parts) for r, s in stats.items()},
         "other": {r: s.parts["other"].mean if "other" in s.parts else 0.0 for r, s in stats.items()},
-        "collective": {r: statistics.fmean(calls[r][k].duration_ns for k in keys) / 1e9 if keys else 0.0
-                       for r in calls},
+        "collective": {
+            r: statistics.fmean(calls[r][k].duration_ns for k in keys) / 1e9 if keys else 0.0 for r in calls
+        },
         "step": {r: s.step_time.mean for r, s in stats.items()},
     }
     straggler = None
@@ -478,8 +552,12 @@ def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int
     if n >= MIN_COLLECTIVES and leader is not None and count / n >= MAJORITY and lateness[leader] >= gap:
         straggler = Straggler(leader, _category(leader, evidence, gap), count / n, evidence)
     else:
-        for metric, category in (("data", "data"), ("compute", "compute"), ("other", "other"),
-                                 ("collective", "communication")):
+        for metric, category in (
+            ("data", "data"),
+            ("compute", "compute"),
+            ("other", "other"),
+            ("collective", "communication"),
+        ):
             if metric == "collective" and n < MIN_COLLECTIVES:
                 continue
             outliers = [r for r in evidence[metric] if _outlier(evidence[metric], r, gap)]
@@ -491,8 +569,10 @@ def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int
 
 def _category(rank: int, evidence: dict[str, dict[int, float]], gap: float) -> str:
     """Why the rank that arrives last is late: the part of its step that exceeds the other ranks' most."""
-    excess = {m: evidence[m][rank] - statistics.median(v for r, v in evidence[m].items() if r != rank)
-              for m in ("data", "compute", "other")}
+    excess = {
+        m: evidence[m][rank] - statistics.median(v for r, v in evidence[m].items() if r != rank)
+        for m in ("data", "compute", "other")
+    }
     best = max(excess, key=lambda m: excess[m])
     return best if excess[best] >= gap else "unknown"
 

@@ -37,6 +37,7 @@ def rank_events(records: list[Record], *, rank: int, to_wall_ns: Any, group_name
     starts = [s.start_ns for s in steps]
     out = []
     for r in records:
+        args: dict[str, Any]
         if r.kind == Kind.STEP:
             track, args = "steps", {"step": r.seq}
         else:
@@ -50,8 +51,18 @@ def rank_events(records: list[Record], *, rank: int, to_wall_ns: Any, group_name
             step = _step_at(steps, starts, r.start_ns)
             if step is not None:
                 args["step"] = step
-        out.append({"name": event_name(r, group_names), "cat": kind_name(r.kind), "ph": "X", "pid": rank,
-                    "tid": _TRACKS[track], "ts": to_wall_ns(r.start_ns), "dur": max(0, r.duration_ns), "args": args})
+        out.append(
+            {
+                "name": event_name(r, group_names),
+                "cat": kind_name(r.kind),
+                "ph": "X",
+                "pid": rank,
+                "tid": _TRACKS[track],
+                "ts": to_wall_ns(r.start_ns),
+                "dur": max(0, r.duration_ns),
+                "args": args,
+            }
+        )
     return out
 
 
@@ -64,10 +75,14 @@ def _step_at(steps: list[Record], starts: list[int], t: int) -> int | None:
 
 
 def metadata(rank: int, pid: Any) -> list[dict]:
-    meta = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (pid {pid})"}},
-            {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
-    meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-             for name, tid in _TRACKS.items()]
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (pid {pid})"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+    ]
+    meta += [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        for name, tid in _TRACKS.items()
+    ]
     return meta
 
 
@@ -77,8 +92,9 @@ def export_chrome(out_dir: Path, dest: Path) -> int:
 
     runs = logs.find_runs(Path(out_dir))
     if not runs:
-        raise NotFoundError(f"{out_dir}: no traces (rank-*.meta.json)",
-                            hint="trace a job with `lingctl timer run --out DIR -- CMD`")
+        raise NotFoundError(
+            f"{out_dir}: no traces (rank-*.meta.json)", hint="trace a job with `lingctl timer run --out DIR -- CMD`"
+        )
     events: list[dict] = []
     header: list[dict] = []
     for meta in runs:
@@ -86,8 +102,7 @@ def export_chrome(out_dir: Path, dest: Path) -> int:
         mono, wall = int(meta.get("mono_anchor_ns", 0)), int(meta.get("wall_anchor_ns", 0))
         names = {int(index): name for name, index in (meta.get("groups") or {}).items()}
         records = read_records(meta)
-        events += rank_events(records, rank=rank, to_wall_ns=lambda t, m=mono, w=wall: t - m + w,
-                              group_names=names)
+        events += rank_events(records, rank=rank, to_wall_ns=lambda t, m=mono, w=wall: t - m + w, group_names=names)
         header += metadata(rank, meta.get("pid"))
     t0 = min((e["ts"] for e in events), default=0)
     for e in events:

@@ -194,7 +194,7 @@ def check_ring_dir(path: Path, uid: int | None = None) -> bool:
     real directory, not a link, owned by ``uid``, no access for others. Anything else is refused with an
     ``AccessDeniedError``: a directory another user controls may hold planted links."""
     try:
-        st = os.lstat(path)
+        os.lstat(path)
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -245,8 +245,9 @@ def ring_path(pid: int) -> Path:
 class RingWriter:
     """The traced process's side. Not thread-safe beyond what the GIL gives a single ``pack_into``."""
 
-    def __init__(self, path: Path, *, capacity: int, rank: int = 0, world: int = 1, local_rank: int = 0,
-                 argv: str = "") -> None:
+    def __init__(
+        self, path: Path, *, capacity: int, rank: int = 0, world: int = 1, local_rank: int = 0, argv: str = ""
+    ) -> None:
         import psutil
 
         self.path = Path(path)
@@ -271,9 +272,33 @@ class RingWriter:
             os.close(fd)
         pid = os.getpid()
         mono, wall = time.monotonic_ns(), time.time_ns()
-        _FIXED.pack_into(self.mm, 0, MAGIC, VERSION, HEADER_SIZE, pid, psutil.Process(pid).create_time(), rank, world,
-                         local_rank, 0, capacity, 0, mono, mono, wall, 0, mono, 0, 0, NO_GROUP, 0, 0, 1,
-                         argv.encode()[:255])
+        _FIXED.pack_into(
+            self.mm,
+            0,
+            MAGIC,
+            VERSION,
+            HEADER_SIZE,
+            pid,
+            psutil.Process(pid).create_time(),
+            rank,
+            world,
+            local_rank,
+            0,
+            capacity,
+            0,
+            mono,
+            mono,
+            wall,
+            0,
+            mono,
+            0,
+            0,
+            NO_GROUP,
+            0,
+            0,
+            1,
+            argv.encode()[:255],
+        )
         os.replace(tmp, self.path)
         self.index = 0
         self.groups: dict[str, int] = {}
@@ -281,8 +306,9 @@ class RingWriter:
     # -- records ----------------------------------------------------------------------------------
     def append(self, kind: int, op: int, group: int, seq: int, start_ns: int, end_ns: int, value: int = 0) -> None:
         i = self.index
-        RECORD.pack_into(self.mm, HEADER_SIZE + (i % self.capacity) * RECORD_SIZE, kind, op, group, seq, start_ns,
-                         end_ns, value)
+        RECORD.pack_into(
+            self.mm, HEADER_SIZE + (i % self.capacity) * RECORD_SIZE, kind, op, group, seq, start_ns, end_ns, value
+        )
         self.index = i + 1
         struct.pack_into("<Q", self.mm, 56, i + 1)
 
@@ -297,8 +323,9 @@ class RingWriter:
         struct.pack_into("<qq", self.mm, 88, step, start_ns)
 
     def enter(self, kind: int, op: int = 0, group: int = NO_GROUP, seq: int = 0, now_ns: int | None = None) -> None:
-        struct.pack_into("<BBHiq", self.mm, 104, kind, op, group, seq,
-                         time.monotonic_ns() if now_ns is None else now_ns)
+        struct.pack_into(
+            "<BBHiq", self.mm, 104, kind, op, group, seq, time.monotonic_ns() if now_ns is None else now_ns
+        )
 
     def leave(self) -> None:
         struct.pack_into("<BBHiq", self.mm, 104, 0, 0, NO_GROUP, 0, 0)
@@ -358,16 +385,34 @@ class RingReader:
         groups = []
         for i in range(MAX_GROUPS):
             name, size, last_op, started, started_ns, completed = GROUP.unpack_from(
-                self.mm, GROUPS_OFFSET + i * GROUP.size)
+                self.mm, GROUPS_OFFSET + i * GROUP.size
+            )
             name = name.rstrip(b"\0").decode(errors="replace")
             if not name and size == 0:
                 break
             groups.append(GroupState(i, name, size, last_op, started > completed, started, completed, started_ns))
-        return Header(pid=f[3], create_time=f[4], rank=f[5], world=f[6], local_rank=f[7], capacity=f[9],
-                      write_index=f[10], heartbeat_ns=f[11], mono_anchor_ns=f[12], wall_anchor_ns=f[13], step=f[14],
-                      step_start_ns=f[15], cur_kind=f[16], cur_op=f[17], cur_group=f[18], cur_seq=f[19],
-                      cur_since_ns=f[20], enabled=bool(f[21]), argv=f[22].rstrip(b"\0").decode(errors="replace"),
-                      groups=groups)
+        return Header(
+            pid=f[3],
+            create_time=f[4],
+            rank=f[5],
+            world=f[6],
+            local_rank=f[7],
+            capacity=f[9],
+            write_index=f[10],
+            heartbeat_ns=f[11],
+            mono_anchor_ns=f[12],
+            wall_anchor_ns=f[13],
+            step=f[14],
+            step_start_ns=f[15],
+            cur_kind=f[16],
+            cur_op=f[17],
+            cur_group=f[18],
+            cur_seq=f[19],
+            cur_since_ns=f[20],
+            enabled=bool(f[21]),
+            argv=f[22].rstrip(b"\0").decode(errors="replace"),
+            groups=groups,
+        )
 
     def records(self, since: int = 0) -> tuple[list[Record], int]:
         """Records with index >= ``since`` still in the ring (older ones were overwritten), and the index to
@@ -375,8 +420,9 @@ class RingReader:
         end = struct.unpack_from("<Q", self.mm, 56)[0]
         capacity = struct.unpack_from("<Q", self.mm, 48)[0]
         start = max(since, end - capacity + 1)  # keep one slot of margin against a concurrent overwrite
-        out = [Record(*RECORD.unpack_from(self.mm, HEADER_SIZE + (i % capacity) * RECORD_SIZE))
-               for i in range(start, end)]
+        out = [
+            Record(*RECORD.unpack_from(self.mm, HEADER_SIZE + (i % capacity) * RECORD_SIZE)) for i in range(start, end)
+        ]
         return out, end
 
     def close(self) -> None:

@@ -27,8 +27,15 @@ from lingctl.timer.ring import Kind, Op, Record
 # Categories in display order; collective op names go between "optimizer" and "p2p".
 _LEADING = ("data", "forward", "backward", "optimizer")
 _TRAILING = ("p2p", "copy", "other")
-_BY_KIND = {Kind.DATA: "data", Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.OPTIMIZER: "optimizer",
-            Kind.P2P: "p2p", Kind.COPY: "copy"}
+# Keyed by the raw kind as records carry it (Kind is an IntEnum, so its members hash as these ints).
+_BY_KIND: dict[int, str] = {
+    Kind.DATA: "data",
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.OPTIMIZER: "optimizer",
+    Kind.P2P: "p2p",
+    Kind.COPY: "copy",
+}
 COMPUTE = ("forward", "backward")
 
 
@@ -104,7 +111,8 @@ class StepStats:
         """The summary without the per-step list; collective groups by name when ``group_names`` knows them."""
         names = group_names or {}
         return {
-            "steps": self.steps, "last_step": self.last_step,
+            "steps": self.steps,
+            "last_step": self.last_step,
             "step_time_s": _summary_json(self.step_time),
             "parts_s": {n: _summary_json(s) for n, s in self.parts.items()},
             "throughput_steps_per_s": self.throughput,
@@ -189,7 +197,13 @@ def breakdown(records: Iterable[Record], last_n_steps: int = 20) -> StepStats:
     parts = {n: Summary.of([s.parts_ns.get(n, 0) for s in window]) for n in order}
     span = window[-1].end_ns - window[0].start_ns
     gpu = Summary.of([s.gpu_ns for s in window]) if any(s.gpu_ns for s in window) else None
-    return StepStats(steps=len(window), last_step=window[-1].step,
-                     step_time=Summary.of([s.duration_ns for s in window]), parts=parts,
-                     throughput=len(window) / (span / 1e9) if span > 0 else 0.0, collective_seq=seqs, gpu=gpu,
-                     per_step=window)
+    return StepStats(
+        steps=len(window),
+        last_step=window[-1].step,
+        step_time=Summary.of([s.duration_ns for s in window]),
+        parts=parts,
+        throughput=len(window) / (span / 1e9) if span > 0 else 0.0,
+        collective_seq=seqs,
+        gpu=gpu,
+        per_step=window,
+    )

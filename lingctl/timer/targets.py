@@ -11,16 +11,28 @@ import sys
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING, Any
 
-from lingctl.timer.ring import NO_GROUP, Kind, Op
+from lingctl.timer.ring import NO_GROUP, Kind, Op, RingWriter
+
+if TYPE_CHECKING:  # torch is imported only once a target is installed; tracer imports this module
+    import torch
+
+    from lingctl.timer.tracer import _GpuTimer
 
 # torch.distributed name -> (op, payload parameter whose bytes are recorded)
 COLLECTIVES = {
-    "all_reduce": (Op.ALL_REDUCE, "tensor"), "broadcast": (Op.BROADCAST, "tensor"),
-    "all_gather": (Op.ALL_GATHER, "tensor_list"), "all_gather_into_tensor": (Op.ALL_GATHER, "output_tensor"),
-    "reduce_scatter": (Op.REDUCE_SCATTER, "input_list"), "reduce_scatter_tensor": (Op.REDUCE_SCATTER, "input"),
-    "reduce": (Op.REDUCE, "tensor"), "gather": (Op.GATHER, "tensor"), "scatter": (Op.SCATTER, "tensor"),
-    "all_to_all": (Op.ALL_TO_ALL, "input_tensor_list"), "all_to_all_single": (Op.ALL_TO_ALL, "input"),
+    "all_reduce": (Op.ALL_REDUCE, "tensor"),
+    "broadcast": (Op.BROADCAST, "tensor"),
+    "all_gather": (Op.ALL_GATHER, "tensor_list"),
+    "all_gather_into_tensor": (Op.ALL_GATHER, "output_tensor"),
+    "reduce_scatter": (Op.REDUCE_SCATTER, "input_list"),
+    "reduce_scatter_tensor": (Op.REDUCE_SCATTER, "input"),
+    "reduce": (Op.REDUCE, "tensor"),
+    "gather": (Op.GATHER, "tensor"),
+    "scatter": (Op.SCATTER, "tensor"),
+    "all_to_all": (Op.ALL_TO_ALL, "input_tensor_list"),
+    "all_to_all_single": (Op.ALL_TO_ALL, "input"),
     "barrier": (Op.BARRIER, None),
 }
 P2P = {"send": Op.SEND, "isend": Op.SEND, "recv": Op.RECV, "irecv": Op.RECV}
@@ -41,8 +53,40 @@ def _nbytes(x) -> int:
         return 0
 
 
-
 class TargetsMixin:
+    # The Tracer's state these methods use (declared for the type checker; Tracer.__init__ sets them).
+    writer: RingWriter
+    active: bool
+    step: int
+    local_rank: int
+    _version: int
+    _opt_pending: dict[int, tuple]
+    _first_opt: weakref.ReferenceType[Any] | None
+    _step_start: int
+    _handles: list
+    _dist: Any  # torch.distributed once a target imported it, else None
+    _rank_known: bool
+    _groups: dict[str, list[int]]
+    _group_cache: dict
+    _gpu: _GpuTimer | None
+    _fwd_depth: int
+    _bwd_depth: int
+    _fwd_start: int
+    _fwd_prev: Any
+    _fwd_gpu: Any
+    _fwd_roots: dict[int, torch.nn.Module] | None  # outermost modules seen before the first step
+    _fwd_global: list
+
+    if TYPE_CHECKING:
+
+        def _push(self, kind: int, op: int, group: int, seq: int, now: int | None = None) -> Any: ...
+
+        def _pop(self, prev: Any) -> None: ...
+
+        def _fail(self, exc: BaseException) -> None: ...
+
+        def _patch(self, obj: Any, name: str, wrapper: Any) -> None: ...
+
     def _timed(self, fn, kind: int):
         """A wrapper recording one ``kind`` record per call (the pattern every target follows)."""
         t = self
@@ -68,6 +112,7 @@ class TargetsMixin:
                     t.writer.append(kind, 0, NO_GROUP, t.step, start, _now(), 0)
                 except Exception as exc:
                     t._fail(exc)
+
         return wrapper
 
     def _comm(self, fn, kind: int, op: int, payload: str | None):
@@ -94,7 +139,7 @@ class TargetsMixin:
                     g = info[0]
                     seq = info[slot]
                     info[slot] = seq + 1
-                    x = None if payload_i < 0 else args[payload_i] if len(args) > payload_i else kwargs.get(payload)
+                    x = None if not payload else args[payload_i] if len(args) > payload_i else kwargs.get(payload)
                     nbytes = x.nbytes if isinstance(x, Tensor) else _nbytes(x)
                     start = _now()
                     prev = t._push(kind, op, g, seq, start)
@@ -116,6 +161,7 @@ class TargetsMixin:
                     t.writer.append(kind, op, g, seq, start, end, nbytes)
                 except Exception as exc:
                     t._fail(exc)
+
         return wrapper
 
     def _group(self, group):
@@ -163,6 +209,7 @@ class TargetsMixin:
             except Exception as exc:
                 t._fail(exc)
             return result
+
         self._patch(dist, "init_process_group", init_process_group)
         for name, (op, payload) in COLLECTIVES.items():
             if hasattr(dist, name):
@@ -195,6 +242,7 @@ class TargetsMixin:
                     t._step_done(opt, _now())
                 except Exception as exc:
                     t._fail(exc)
+
         self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
     def _step_done(self, opt, end: int) -> None:
@@ -248,10 +296,11 @@ class TargetsMixin:
                         start, t._fwd_start = t._fwd_start, 0
                         t._pop(t._fwd_prev)
                         t.writer.append(_FORWARD, 0, NO_GROUP, t.step, start, _now(), 0)
-                        if t._fwd_gpu is not None:
+                        if t._fwd_gpu is not None and t._gpu is not None:  # a pair comes from _gpu.begin()
                             t._gpu.end(t._fwd_gpu, _FORWARD, t.step, start)
                 except Exception as exc:
                     t._fail(exc)
+
         # Global module hooks put every module call (nested ones too) on PyTorch's slow hook path, several
         # us each. They run only until the first optimizer step, to learn which modules are called
         # outermost; then they are replaced by hooks on those modules alone (see _settle_forward).
@@ -283,6 +332,7 @@ class TargetsMixin:
                     return forward(*args, **kwargs)
                 finally:
                     post(module, args, None)
+
             return traced_forward
 
         for module in roots.values():
@@ -319,10 +369,11 @@ class TargetsMixin:
                 try:
                     t._pop(prev)
                     t.writer.append(_BACKWARD, 0, NO_GROUP, t.step, start, _now(), 0)
-                    if pair is not None:
+                    if pair is not None and t._gpu is not None:  # a pair comes from _gpu.begin()
                         t._gpu.end(pair, _BACKWARD, t.step, start)
                 except Exception as exc:
                     t._fail(exc)
+
         return wrapper
 
     def _target_copy(self, torch):
@@ -345,6 +396,8 @@ class TargetsMixin:
                 except Exception as exc:
                     t._fail(exc)
                 return result
+
             return wrapper
+
         for name in ("to", "cuda", "cpu"):
             self._patch(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))

@@ -40,11 +40,24 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import IO
 
 from lingctl.core.errors import LingctlError, os_error
 from lingctl.core.private_dir import create_exclusive
-from lingctl.timer.ring import (HEADER_SIZE, NO_GROUP, RECORD_SIZE, Kind, RingReader, RingWriter, collect_stale,
-                                ensure_ring_dir, open_regular, remove_own_file, ring_dir, ring_path)
+from lingctl.timer.ring import (
+    HEADER_SIZE,
+    NO_GROUP,
+    RECORD_SIZE,
+    Kind,
+    RingReader,
+    RingWriter,
+    collect_stale,
+    ensure_ring_dir,
+    open_regular,
+    remove_own_file,
+    ring_dir,
+    ring_path,
+)
 from lingctl.timer.targets import TargetsMixin
 
 log = logging.getLogger("lingctl.timer")
@@ -81,8 +94,10 @@ def parse_targets(spec: str | None) -> set[str]:
         elif name in DEFAULT_TARGETS:
             names = {name}
         else:
-            raise ValueError(f"unknown timer target {name!r}; valid: {', '.join(DEFAULT_TARGETS)} (or default, all; "
-                             "'-name' removes one)")
+            raise ValueError(
+                f"unknown timer target {name!r}; valid: {', '.join(DEFAULT_TARGETS)} (or default, all; "
+                "'-name' removes one)"
+            )
         chosen = chosen - names if item.startswith("-") else chosen | names
     return chosen
 
@@ -168,10 +183,13 @@ class _GpuTimer:
         self.pending.append((pair, kind, seq, start_ns))
 
     def poll(self, writer: RingWriter) -> None:
+        free = self.free
+        if free is None:  # nothing timed yet: begin() creates the events
+            return
         while self.pending and self.pending[0][0][1].query():
             (a, b), kind, seq, start_ns = self.pending.popleft()
             gpu_ns = int(a.elapsed_time(b) * 1e6)
-            self.free.append((a, b))
+            free.append((a, b))
             writer.append(Kind.GPU, 0, NO_GROUP, seq, start_ns, start_ns + gpu_ns, kind)
 
 
@@ -188,12 +206,17 @@ class _AfterImport:
         self.remove()
         try:
             spec = importlib.util.find_spec(fullname)
-            exec_module, callback = spec.loader.exec_module, self.callback
+            loader = spec.loader if spec is not None else None
+            if loader is None:
+                raise ImportError(f"no loader for {fullname}")  # reported below like any other failure
+            exec_module, callback = loader.exec_module, self.callback
 
             def exec_then_patch(module):
                 exec_module(module)
                 callback()
-            spec.loader.exec_module = exec_then_patch
+
+            # Patching this one loader instance is the point: torch's module runs, then the targets install.
+            loader.exec_module = exec_then_patch  # type: ignore[method-assign]
             return spec
         except Exception as exc:  # never stand in the way of the import itself
             log.warning("lingctl timer: torch is not traced in this process: %r", exc)
@@ -206,6 +229,8 @@ class _AfterImport:
 
 class Tracer(TargetsMixin):
     """The installed tracer (one per process; see ``install``)."""
+
+    writer: RingWriter  # set by _open_ring; absent only when construction failed before the ring was opened
 
     def __init__(self, out: str | Path | None, targets: set[str], capacity: int, log_max_bytes: int) -> None:
         self.pid = os.getpid()
@@ -220,11 +245,13 @@ class Tracer(TargetsMixin):
         self.step = 0
         self.argv = " ".join(sys.argv)
         self._main = threading.main_thread().ident
-        self._cur = None  # (kind, op, group, seq) the main thread is inside, for nesting
+        self._cur: tuple[int, int, int, int] | None = (
+            None  # (kind, op, group, seq) the main thread is inside, for nesting
+        )
         self._fwd_depth = self._bwd_depth = 0
         self._fwd_prev = self._fwd_gpu = None
         self._fwd_start = 0
-        self._fwd_roots: dict[int, object] | None = None  # outermost modules seen before the first step
+        self._fwd_roots = None  # outermost modules seen before the first step
         self._fwd_global: list = []
         self._opt_pending: dict[int, tuple] = {}
         self._first_opt = None
@@ -244,8 +271,7 @@ class Tracer(TargetsMixin):
         self._flushed = 0
         self._log_size = 0
         self._log_full = False
-        self._stacks_file = None
-        self.writer: RingWriter | None = None
+        self._stacks_file: IO[str] | None = None
         try:
             self._open_ring(capacity)
             self._step_start = _now()
@@ -274,8 +300,14 @@ class Tracer(TargetsMixin):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             collect_stale_files()
-            self.writer = RingWriter(ring_path(self.pid), capacity=capacity, rank=self.rank, world=self.world,
-                                     local_rank=self.local_rank, argv=self.argv)
+            self.writer = RingWriter(
+                ring_path(self.pid),
+                capacity=capacity,
+                rank=self.rank,
+                world=self.world,
+                local_rank=self.local_rank,
+                argv=self.argv,
+            )
         finally:
             os.close(lock)  # releases the lock
         reader = RingReader(self.writer.path)
@@ -369,29 +401,40 @@ class Tracer(TargetsMixin):
             old = log_path(self.out, self._files_rank, pid)
             if old.exists():
                 os.replace(old, log_path(self.out, rank, pid))
-            self._write_meta()
+            self._write_meta(self.out)
             meta_path(self.out, self._files_rank, pid).unlink(missing_ok=True)
         elif self._meta_written != self._version:
-            self._write_meta()
+            self._write_meta(self.out)
         self._files_rank = rank
-        self._flush_records()
+        self._flush_records(self.out)
 
-    def _write_meta(self) -> None:
+    def _write_meta(self, out: Path) -> None:
         from lingctl.core.atomic import atomic_write
 
         version = self._version
-        meta = {"pid": self.pid, "rank": self.rank, "world": self.world, "local_rank": self.local_rank,
-                "argv": self.argv, "hostname": socket.gethostname(), "ring": str(self.writer.path),
-                "stacks": str(stacks_path(self.pid)), "log": log_path(self.out, self.rank, self.pid).name,
-                "mono_anchor_ns": self.mono_anchor_ns, "wall_anchor_ns": self.wall_anchor_ns,
-                "groups": dict(self.writer.groups), "targets": list(self.targets), "capacity": self.writer.capacity,
-                # "dist": from torch.distributed; "env": RANK was set; "default": neither (e.g. a launcher process)
-                "rank_source": "dist" if self._rank_known else "env" if "RANK" in os.environ else "default"}
-        with atomic_write(meta_path(self.out, self.rank, self.pid)) as (_, f):
+        meta = {
+            "pid": self.pid,
+            "rank": self.rank,
+            "world": self.world,
+            "local_rank": self.local_rank,
+            "argv": self.argv,
+            "hostname": socket.gethostname(),
+            "ring": str(self.writer.path),
+            "stacks": str(stacks_path(self.pid)),
+            "log": log_path(out, self.rank, self.pid).name,
+            "mono_anchor_ns": self.mono_anchor_ns,
+            "wall_anchor_ns": self.wall_anchor_ns,
+            "groups": dict(self.writer.groups),
+            "targets": list(self.targets),
+            "capacity": self.writer.capacity,
+            # "dist": from torch.distributed; "env": RANK was set; "default": neither (e.g. a launcher process)
+            "rank_source": "dist" if self._rank_known else "env" if "RANK" in os.environ else "default",
+        }
+        with atomic_write(meta_path(out, self.rank, self.pid)) as (_, f):
             f.write(json.dumps(meta, indent=1).encode())
         self._meta_written = version
 
-    def _flush_records(self) -> None:
+    def _flush_records(self, out: Path) -> None:
         w = self.writer
         end = w.index
         start = max(self._flushed, end - w.capacity + 1)  # one slot of margin against a concurrent overwrite
@@ -403,15 +446,18 @@ class Tracer(TargetsMixin):
             slot = i % w.capacity
             n = min(end - i, w.capacity - slot)
             offset = HEADER_SIZE + slot * RECORD_SIZE
-            parts.append(w.mm[offset:offset + n * RECORD_SIZE])
+            parts.append(w.mm[offset : offset + n * RECORD_SIZE])
             i += n
         frame = self._zstd.compress(b"".join(parts))
         if self._log_size + len(frame) > self.log_max_bytes:
             self._log_full = True
-            log.warning("lingctl timer: %s reached %d bytes; no more records are logged (the ring still has the "
-                        "newest)", log_path(self.out, self.rank, self.pid), self.log_max_bytes)
+            log.warning(
+                "lingctl timer: %s reached %d bytes; no more records are logged (the ring still has the newest)",
+                log_path(out, self.rank, self.pid),
+                self.log_max_bytes,
+            )
             return
-        with open(log_path(self.out, self.rank, self.pid), "ab") as f:
+        with open(log_path(out, self.rank, self.pid), "ab") as f:
             f.write(frame)
         self._log_size += len(frame)
         self._flushed = end
@@ -450,7 +496,11 @@ class Tracer(TargetsMixin):
             thread.join(timeout=2.0)
 
     def _final_flush(self) -> None:
-        if self.writer is None or os.getpid() != self.pid or not self._files_lock.acquire(timeout=2.0):
+        if (
+            getattr(self, "writer", None) is None
+            or os.getpid() != self.pid
+            or not self._files_lock.acquire(timeout=2.0)
+        ):
             return
         try:
             if self._gpu is not None and self._gpu.free is not None:
@@ -470,16 +520,22 @@ class Tracer(TargetsMixin):
         if self._stacks_file is not None and not at_exit:  # at exit the handler stays: the signal must not kill
             faulthandler.unregister(STACKS_SIGNAL)
             self._stacks_file.close()
-        if self.writer is not None:
-            self.writer.close()
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.close()
 
 
 _tracer: Tracer | None = None
 _lock = threading.Lock()
 
 
-def install(out: str | Path | None = None, *, targets: str | None = None, capacity: int = 1 << 16,
-            log_max_bytes: int = 256 << 20) -> Tracer | None:
+def install(
+    out: str | Path | None = None,
+    *,
+    targets: str | None = None,
+    capacity: int = 1 << 16,
+    log_max_bytes: int = 256 << 20,
+) -> Tracer | None:
     """Trace this process (idempotent: a second call returns the tracer already installed). With ``out``, also
     write a compressed log and a metadata file there. torch targets are patched now if torch is imported, else
     right after it is. Returns None, with a warning, when the tracer could not be set up."""
@@ -490,8 +546,7 @@ def install(out: str | Path | None = None, *, targets: str | None = None, capaci
             try:
                 _tracer = Tracer(out, chosen, capacity, log_max_bytes)
             except LingctlError as exc:  # e.g. a ring directory that is not ours: one line, with the way out
-                log.warning("lingctl timer: tracing not installed: %s%s", exc,
-                            f" ({exc.hint})" if exc.hint else "")
+                log.warning("lingctl timer: tracing not installed: %s%s", exc, f" ({exc.hint})" if exc.hint else "")
                 return None
             except Exception as exc:
                 log.warning("lingctl timer: tracing not installed: %r", exc)

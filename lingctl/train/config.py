@@ -20,7 +20,6 @@ from lingctl.model.presets import preset
 from lingctl.train.edit import EditConfig
 from lingctl.train.spike import SpikeConfig
 
-
 Check = tuple[Callable[[Any], bool], str]  # (predicate, the rule in words)
 
 
@@ -31,6 +30,7 @@ def _whole(low: int, high: int | None = None) -> Check:
 
 def _number(low: float, high: float = math.inf, *, above: bool = False, below: bool = False) -> Check:
     """A finite number in [low, high]; ``above`` / ``below`` exclude the bound itself."""
+
     def ok(v: float) -> bool:
         return math.isfinite(v) and (v > low if above else v >= low) and (v < high if below else v <= high)
 
@@ -40,11 +40,22 @@ def _number(low: float, high: float = math.inf, *, above: bool = False, below: b
 
 
 # The command-line flag of a setting, named in its error so that `--lr nan` is answered in the user's terms.
-FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len", "seed": "--seed",
-         "eval_every": "--eval-every", "save_every": "--save-every", "max_seconds": "--max-seconds",
-         "max_consecutive_skips": "--max-consecutive-skips", "sync_every": "--sync-every",
-         "sync_every_seconds": "--sync-every-seconds", "simulate_slow_rank": "--simulate-slow-rank",
-         "slowdown": "--slowdown", "simulate_bad_rank": "--simulate-bad-rank", "optim.lr": "--lr"}
+FLAGS = {
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "seed": "--seed",
+    "eval_every": "--eval-every",
+    "save_every": "--save-every",
+    "max_seconds": "--max-seconds",
+    "max_consecutive_skips": "--max-consecutive-skips",
+    "sync_every": "--sync-every",
+    "sync_every_seconds": "--sync-every-seconds",
+    "simulate_slow_rank": "--simulate-slow-rank",
+    "slowdown": "--slowdown",
+    "simulate_bad_rank": "--simulate-bad-rank",
+    "optim.lr": "--lr",
+}
 
 
 def check_ranges(obj: Any, rules: Mapping[str, Check], prefix: str = "") -> None:
@@ -74,8 +85,9 @@ class DataConfig:
     max_bytes: int | None = None
 
     def validate(self) -> None:
-        check_ranges(self, {"vocab_size": _whole(1), "eval_fraction": _number(0, 1, below=True),
-                            "max_bytes": _whole(1)}, "data.")
+        check_ranges(
+            self, {"vocab_size": _whole(1), "eval_fraction": _number(0, 1, below=True), "max_bytes": _whole(1)}, "data."
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,10 +102,20 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 = no clipping
 
     def validate(self) -> None:
-        check_ranges(self, {"lr": _number(0, above=True), "min_lr_ratio": _number(0, 1), "warmup_steps": _whole(0),
-                            "weight_decay": _number(0), "beta1": _number(0, 1, below=True),
-                            "beta2": _number(0, 1, below=True), "eps": _number(0, above=True),
-                            "grad_clip": _number(0)}, "optim.")
+        check_ranges(
+            self,
+            {
+                "lr": _number(0, above=True),
+                "min_lr_ratio": _number(0, 1),
+                "warmup_steps": _whole(0),
+                "weight_decay": _number(0),
+                "beta1": _number(0, 1, below=True),
+                "beta2": _number(0, 1, below=True),
+                "eps": _number(0, above=True),
+                "grad_clip": _number(0),
+            },
+            "optim.",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,8 +125,9 @@ class MoeLossConfig:
     routing_warmup_steps: int = 20  # stochastic routing warmup length (0 = off)
 
     def validate(self) -> None:
-        check_ranges(self, {"balance_coef": _number(0), "z_coef": _number(0), "routing_warmup_steps": _whole(0)},
-                     "moe.")
+        check_ranges(
+            self, {"balance_coef": _number(0), "z_coef": _number(0), "routing_warmup_steps": _whole(0)}, "moe."
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +158,9 @@ class TrainConfig:
     # This many skipped attempts in a row (spikes, non-finite loss or gradients) end the run with exit 1:
     # a diverged run would otherwise skip for ever. Enough for the spike guard's LR drops to take effect.
     max_consecutive_skips: int = 20
+    # Where metrics go besides metrics.jsonl: TensorBoard event files in the run's tensorboard/ directory,
+    # or Weights & Biases (the wandb package; it reads WANDB_MODE, WANDB_PROJECT and the like itself).
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoeLossConfig = field(default_factory=MoeLossConfig)
@@ -174,8 +200,11 @@ class TrainConfig:
         try:
             parse_size(self.max_shard_size)
         except UsageError:
-            raise UsageError(f"max_shard_size (--max-shard-size) must be a size such as 5GB or 500MiB, got "
-                             f"{self.max_shard_size!r}") from None
+            raise UsageError(
+                f"max_shard_size (--max-shard-size) must be a size such as 5GB or 500MiB, got {self.max_shard_size!r}"
+            ) from None
+        if self.report_to not in REPORT_TO:
+            raise UsageError(f"report_to (--report-to) must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.sync not in ("ddp", "edit"):
             raise UsageError(f"sync must be ddp or edit, got {self.sync!r}")
         preset(self.preset)  # unknown preset: one line with the choices
@@ -183,18 +212,33 @@ class TrainConfig:
 
 TRAIN_RULES: dict[str, Check] = {
     # Per worker and step; the caps are far above any real run and keep a typo from allocating terabytes.
-    "steps": _whole(1), "batch_size": _whole(1, 2**20), "batch_warmup_steps": _whole(0), "batch_start": _whole(1),
+    "steps": _whole(1),
+    "batch_size": _whole(1, 2**20),
+    "batch_warmup_steps": _whole(0),
+    "batch_start": _whole(1),
     "seq_len": _whole(2, 2**20),
     # Routing-warmup noise seeds are derived as (seed * 1e6 + attempt) * 1e3: 32 bits keep that in 64.
     "seed": _whole(0, 2**32 - 1),
-    "eval_every": _whole(0), "eval_batches": _whole(1), "save_every": _whole(0), "keep_checkpoints": _whole(1),
-    "max_seconds": _number(0, above=True), "max_consecutive_skips": _whole(1),
-    "inject_spike_factor": _number(0, above=True), "crash_at_step": _whole(1), "crash_rank": _whole(0),
-    "sync_every": _whole(1), "sync_every_seconds": _number(0, above=True), "edit_warmup_steps": _whole(0),
+    "eval_every": _whole(0),
+    "eval_batches": _whole(1),
+    "save_every": _whole(0),
+    "keep_checkpoints": _whole(1),
+    "max_seconds": _number(0, above=True),
+    "max_consecutive_skips": _whole(1),
+    "inject_spike_factor": _number(0, above=True),
+    "crash_at_step": _whole(1),
+    "crash_rank": _whole(0),
+    "sync_every": _whole(1),
+    "sync_every_seconds": _number(0, above=True),
+    "edit_warmup_steps": _whole(0),
     # The slow worker sleeps (slowdown - 1) x its step time after each step.
-    "simulate_slow_rank": _whole(0), "slowdown": _number(1, 1000), "simulate_bad_rank": _whole(0),
+    "simulate_slow_rank": _whole(0),
+    "slowdown": _number(1, 1000),
+    "simulate_bad_rank": _whole(0),
 }
 
+
+REPORT_TO = ("none", "tensorboard", "wandb")
 
 # Training defaults per preset: what fits the preset's purpose on the hardware it targets.
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
@@ -217,20 +261,39 @@ class Resolved:
 
 def resolve(config: TrainConfig) -> Resolved:
     d = PRESET_TRAINING[config.preset]
-    return Resolved(seq_len=config.seq_len or d["seq_len"], batch_size=config.batch_size or d["batch_size"],
-                    lr=config.optim.lr or d["lr"], vocab_size=config.data.vocab_size or d["vocab_size"])
+    return Resolved(
+        seq_len=config.seq_len or d["seq_len"],
+        batch_size=config.batch_size or d["batch_size"],
+        lr=config.optim.lr or d["lr"],
+        vocab_size=config.data.vocab_size or d["vocab_size"],
+    )
 
 
 # Fields that fix a checkpoint's parameter shapes or what its weights mean: a run that starts from a
 # checkpoint cannot change them.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "num_experts", "num_shared_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "first_k_dense_replace", "tie_word_embeddings", "use_bias",
-                "use_qkv_bias", "norm_head")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_experts",
+    "num_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+    "tie_word_embeddings",
+    "use_bias",
+    "use_qkv_bias",
+    "norm_head",
+)
 
 
-def model_config(config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: int,
-                 init: LingConfig | None = None) -> LingConfig:
+def model_config(
+    config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: int, init: LingConfig | None = None
+) -> LingConfig:
     """The preset's shape with the run's changes; tiny/small take the tokenizer's vocabulary, while the
     published Ling shapes keep theirs (the tokenizer must fit in it).
 
@@ -245,7 +308,9 @@ def model_config(config: TrainConfig, *, vocab_size: int, eos_id: int, seq_len: 
     base["max_position_embeddings"] = max(base["max_position_embeddings"], seq_len)
     unknown = sorted(set(config.model) - set(base))
     if unknown:
-        raise UsageError(f"unknown model field {unknown[0]!r}", hint="use config.json names, e.g. model.num_hidden_layers=2")
+        raise UsageError(
+            f"unknown model field {unknown[0]!r}", hint="use config.json names, e.g. model.num_hidden_layers=2"
+        )
     base.update(config.model)
     model = from_mapping(LingConfig, base, where="model settings")
     model.validate()
@@ -262,9 +327,10 @@ def check_preset_shape(name: str, init: LingConfig, source: str) -> None:
         if field_name == "vocab_size" and name in ("tiny", "small"):
             continue  # these presets take their vocabulary from the tokenizer: the checkpoint's here
         if shape[field_name] != have[field_name]:
-            raise UsageError(f"--preset {name} has {field_name}={shape[field_name]!r} but {source} has "
-                             f"{have[field_name]!r}", hint="drop --preset (the checkpoint sets the shape) or "
-                                                           "start from a checkpoint of that shape")
+            raise UsageError(
+                f"--preset {name} has {field_name}={shape[field_name]!r} but {source} has {have[field_name]!r}",
+                hint="drop --preset (the checkpoint sets the shape) or start from a checkpoint of that shape",
+            )
 
 
 def check_model_changes(changes: Mapping[str, Any], init: LingConfig, source: str) -> None:
@@ -275,8 +341,10 @@ def check_model_changes(changes: Mapping[str, Any], init: LingConfig, source: st
         raise UsageError(f"unknown model field {unknown[0]!r}", hint="use config.json names, e.g. model.rope_theta=1e6")
     for name, value in changes.items():
         if name in SHAPE_FIELDS and value != base[name]:
-            raise UsageError(f"model.{name}={value!r} does not match {source}, which has {base[name]!r}",
-                             hint="a run started from a checkpoint keeps its shape")
+            raise UsageError(
+                f"model.{name}={value!r} does not match {source}, which has {base[name]!r}",
+                hint="a run started from a checkpoint keeps its shape",
+            )
 
 
 def _init_model_config(config: TrainConfig, init: LingConfig, *, vocab_size: int, seq_len: int) -> LingConfig:

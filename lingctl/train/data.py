@@ -80,8 +80,10 @@ def resolve_sources(paths: Sequence[str]) -> list[Path]:
             elif match.is_file():
                 files.add(match)
     if not files:
-        raise UsageError("no data files found in: " + ", ".join(paths),
-                         hint="point at text or .jsonl files, or at directories that hold them")
+        raise UsageError(
+            "no data files found in: " + ", ".join(paths),
+            hint="point at text or .jsonl files, or at directories that hold them",
+        )
     return sorted(files)
 
 
@@ -101,8 +103,10 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
                     raise LingctlError(f"{path}:{lineno}: malformed JSON: {exc}") from exc
                 text = record.get(text_field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
-                    raise LingctlError(f"{path}:{lineno}: no string field {text_field!r}",
-                                       hint=f"each line must be a JSON object with the document in {text_field!r}")
+                    raise LingctlError(
+                        f"{path}:{lineno}: no string field {text_field!r}",
+                        hint=f"each line must be a JSON object with the document in {text_field!r}",
+                    )
                 yield f"{path}:{lineno}", text
     except OSError as exc:
         raise os_error(exc, str(path)) from exc
@@ -121,8 +125,9 @@ def _read_text(path: Path, limit: int | None) -> str | None:
     return raw.decode("utf-8", errors="replace")
 
 
-def iter_documents(files: Iterable[Path], *, text_field: str = "text",
-                   max_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+def iter_documents(
+    files: Iterable[Path], *, text_field: str = "text", max_bytes: int | None = None
+) -> Iterator[tuple[str, str]]:
     """``(doc_id, text)`` for each document: one per line of a ``.jsonl`` file, one per other file.
 
     ``max_bytes`` caps the UTF-8 size of all the text yielded; the document that reaches it is cut short.
@@ -189,8 +194,9 @@ def pack_rows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return np.ascontiguousarray(windows[: n_rows * seq_len : seq_len], dtype=np.int32)
 
 
-def build_token_data(documents: Iterable[tuple[str, str]], tok: Tokenizer, *, seq_len: int,
-                     eval_fraction: float, eos: int) -> TokenData:
+def build_token_data(
+    documents: Iterable[tuple[str, str]], tok: Tokenizer, *, seq_len: int, eval_fraction: float, eos: int
+) -> TokenData:
     """Tokenize ``documents``, split them into train and eval by doc id, and pack each split into rows."""
     if seq_len < 1:
         raise UsageError(f"seq_len must be at least 1, got {seq_len}")
@@ -223,8 +229,9 @@ def build_token_data(documents: Iterable[tuple[str, str]], tok: Tokenizer, *, se
     train_tokens, eval_tokens = concat(parts[False]), concat(parts[True])
     train, eval_rows = pack_rows(train_tokens, seq_len), pack_rows(eval_tokens, seq_len)
     too_small = LingctlError(
-        f"the corpus is too small for seq_len {seq_len}: {len(train_tokens)} train tokens "
-        f"in {n_documents} documents", hint="add data or lower seq_len")
+        f"the corpus is too small for seq_len {seq_len}: {len(train_tokens)} train tokens in {n_documents} documents",
+        hint="add data or lower seq_len",
+    )
     if len(train) == 0:
         raise too_small
     if eval_fraction > 0 and len(eval_rows) == 0:
@@ -234,8 +241,13 @@ def build_token_data(documents: Iterable[tuple[str, str]], tok: Tokenizer, *, se
             raise too_small
         log.info("eval split has fewer than %d tokens; using the last %d train row(s) for eval", seq_len + 1, take)
         train, eval_rows = train[:-take], train[-take:]
-    return TokenData(train=train, eval=eval_rows, seq_len=seq_len,
-                     n_tokens=len(train_tokens) + len(eval_tokens), n_documents=n_documents)
+    return TokenData(
+        train=train,
+        eval=eval_rows,
+        seq_len=seq_len,
+        n_tokens=len(train_tokens) + len(eval_tokens),
+        n_documents=n_documents,
+    )
 
 
 class BatchOrder:
@@ -276,7 +288,7 @@ class BatchOrder:
         return out
 
 
-def batch_tensors(data: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_tensors(data: np.ndarray, rows: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)`` as int64 tensors ``[B, seq_len]`` for the given rows of ``data``."""
     import torch  # deferred: listing and tokenizing data should not pay for importing torch
 

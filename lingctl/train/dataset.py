@@ -11,8 +11,14 @@ from tokenizers import Tokenizer
 
 from lingctl.model.config import LingConfig
 from lingctl.train.config import Resolved, TrainConfig, model_config
-from lingctl.train.data import (TokenData, build_token_data, corpus_fingerprint, default_corpus_files,
-                                iter_documents, resolve_sources)
+from lingctl.train.data import (
+    TokenData,
+    build_token_data,
+    corpus_fingerprint,
+    default_corpus_files,
+    iter_documents,
+    resolve_sources,
+)
 from lingctl.train.sources import tokenizer_source
 from lingctl.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
@@ -33,11 +39,14 @@ class PreparedData:
 
 def _default_files() -> list[Path]:
     # Spread the byte cap across the whole library rather than its alphabetically first packages.
-    return sorted(default_corpus_files(), key=lambda p: hashlib.sha1(p.name.encode() + str(p.parent.name).encode()).digest())
+    return sorted(
+        default_corpus_files(), key=lambda p: hashlib.sha1(p.name.encode() + str(p.parent.name).encode()).digest()
+    )
 
 
-def prepare_data(config: TrainConfig, res: Resolved, *, tokenizer_path: Path | None = None,
-                 init: LingConfig | None = None) -> PreparedData:
+def prepare_data(
+    config: TrainConfig, res: Resolved, *, tokenizer_path: Path | None = None, init: LingConfig | None = None
+) -> PreparedData:
     """Documents -> tokenizer (the run's own on resume, a given one, or a new BPE) -> packed rows.
     ``init``: the shape of the checkpoint the run starts from."""
     d = config.data

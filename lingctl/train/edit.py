@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-Unit = tuple[nn.Module, list[nn.Parameter]]
+# Parameters as tensors: nn.Embedding and nn.Linear declare their weights as Tensor.
+Unit = tuple[nn.Module, list[torch.Tensor]]
 
 # The z-test's deviation is sqrt(var + eps) with eps = (STD_FLOOR * mean)^2 + TINY: with a few syncs of
 # history, or a very steady run, the variance is close to 0 and every small rise would be "many sigmas";
@@ -89,9 +90,14 @@ class SyncStats:
 
     def to_record(self) -> dict[str, Any]:
         """The metrics-line fields (the sync count is left to the caller's record)."""
-        return {"weights": [round(w, 6) for w in self.worker_weights()], "dropped": self.dropped,
-                "bytes_sent": self.bytes_sent, "wait_s": round(self.wait_s, 4),
-                "delta_norms": [round(n, 6) for n in self.delta_norms], "clipped": self.clipped}
+        return {
+            "weights": [round(w, 6) for w in self.worker_weights()],
+            "dropped": self.dropped,
+            "bytes_sent": self.bytes_sent,
+            "wait_s": round(self.wait_s, 4),
+            "delta_norms": [round(n, 6) for n in self.delta_norms],
+            "clipped": self.clipped,
+        }
 
 
 @dataclass(slots=True)
@@ -163,6 +169,13 @@ class EditSynchronizer:
         for k, (module, _) in enumerate(self.units):
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(k)))
 
+    @property
+    def last_stats(self) -> SyncStats:
+        """The statistics of the last completed sync: valid once ``sync_now()`` or ``finish()`` has run."""
+        if self.last is None:
+            raise RuntimeError("no EDiT sync has completed yet")
+        return self.last
+
     def finish(self) -> None:
         """Complete the units whose hook did not fire (a unit the forward did not reach) and drop the hooks."""
         if self._sync is not None:
@@ -183,21 +196,30 @@ class EditSynchronizer:
     def state_dict(self) -> dict[str, Any]:
         """Replicated state (identical on every worker), as the live tensors: DCP may load into them."""
         self._idle("state_dict")
-        return {"syncs": self.syncs,
-                "anchor": {str(k): a for k, a in enumerate(self.anchor)},
-                "momentum": {str(k): m for k, m in enumerate(self.momentum)},
-                "norm_mean": self.norm_mean, "norm_var": self.norm_var, "norm_count": self.norm_count}
+        return {
+            "syncs": self.syncs,
+            "anchor": {str(k): a for k, a in enumerate(self.anchor)},
+            "momentum": {str(k): m for k, m in enumerate(self.momentum)},
+            "norm_mean": self.norm_mean,
+            "norm_var": self.norm_var,
+            "norm_count": self.norm_count,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._idle("load_state_dict")
-        pairs = [(state[name][str(k)], dst, f"{name}.{k}")
-                 for name, dsts in (("anchor", self.anchor), ("momentum", self.momentum)) for k, dst in enumerate(dsts)]
+        pairs = [
+            (state[name][str(k)], dst, f"{name}.{k}")
+            for name, dsts in (("anchor", self.anchor), ("momentum", self.momentum))
+            for k, dst in enumerate(dsts)
+        ]
         pairs += [(state[name], getattr(self, name), name) for name in ("norm_mean", "norm_var", "norm_count")]
         for src, dst, name in pairs:
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"EDiT state {name} has shape {tuple(src.shape)}, this run needs {tuple(dst.shape)} "
-                                 "(different model or number of workers)")
+                raise ValueError(
+                    f"EDiT state {name} has shape {tuple(src.shape)}, this run needs {tuple(dst.shape)} "
+                    "(different model or number of workers)"
+                )
         for src, dst, _ in pairs:
             dst.copy_(src)
         self.syncs = int(state["syncs"])
@@ -223,8 +245,9 @@ class EditSynchronizer:
         self._idle("a new sync")
         U = len(self.units)
         norms_U = torch.stack([torch.linalg.vector_norm(self._sent_delta(k)) for k in range(U)])  # fp32
-        sync = _Sync(weights_UW=torch.empty(0), dropped_UW=torch.empty(0), bufs=[None] * U, works=[None] * U,
-                     done=[False] * U)
+        sync = _Sync(
+            weights_UW=torch.empty(0), dropped_UW=torch.empty(0), bufs=[None] * U, works=[None] * U, done=[False] * U
+        )
         if self.world > 1:
             rows = [torch.empty_like(norms_U) for _ in range(self.world)]
             start = time.perf_counter()
@@ -243,8 +266,10 @@ class EditSynchronizer:
         mean, var, count = self.norm_mean, self.norm_var, self.norm_count
         finite = torch.isfinite(n_UW)
         if not finite.any(dim=1).all():
-            raise FloatingPointError("EDiT sync: every worker's pseudo-gradient is non-finite for unit "
-                                     f"{int((~finite.any(dim=1)).nonzero()[0])}")
+            raise FloatingPointError(
+                "EDiT sync: every worker's pseudo-gradient is non-finite for unit "
+                f"{int((~finite.any(dim=1)).nonzero()[0])}"
+            )
         z = (n_UW - mean) / torch.sqrt(var + (STD_FLOOR * mean) ** 2 + TINY)
         anomalous = ~finite | ((count >= c.anomaly_warmup) & (z > c.anomaly_threshold))
         kept = ~anomalous
@@ -297,9 +322,15 @@ class EditSynchronizer:
         self._complete(k)
         if all(sync.done):
             self.syncs += 1
-            self.last = SyncStats(sync=self.syncs, weights=sync.weights_UW.tolist(),
-                                  dropped=sync.dropped_UW.sum(dim=0).tolist(), bytes_sent=sync.bytes_sent,
-                                  wait_s=sync.wait_s, delta_norms=sync.delta_norms, clipped=sync.clipped)
+            self.last = SyncStats(
+                sync=self.syncs,
+                weights=sync.weights_UW.tolist(),
+                dropped=sync.dropped_UW.sum(dim=0).tolist(),
+                bytes_sent=sync.bytes_sent,
+                wait_s=sync.wait_s,
+                delta_norms=sync.delta_norms,
+                clipped=sync.clipped,
+            )
             self._sync = None
 
     @torch.no_grad()
@@ -332,7 +363,7 @@ class EditSynchronizer:
         theta += self._delta(k).sub_(update, alpha=c.outer_lr)
         offset = 0
         for p in self.units[k][1]:
-            p.copy_(theta[offset:offset + p.numel()].view_as(p))
+            p.copy_(theta[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.anchor[k].sub_(update, alpha=c.outer_lr)
         sync.done[k] = True
@@ -347,8 +378,10 @@ def _check_units(units: list[Unit]) -> None:
             raise ValueError(f"EDiT unit {k} ({type(module).__name__}) has no parameters")
         for p in params:
             if id(p) in owner:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in EDiT units {owner[id(p)]} and {k} "
-                                 "(tied weights belong to one unit only)")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in EDiT units {owner[id(p)]} and {k} "
+                    "(tied weights belong to one unit only)"
+                )
             owner[id(p)] = k
     for k, (module, _) in enumerate(units):
         for name, p in module.named_parameters():

@@ -41,8 +41,7 @@ class LocalSgdTrainer(Trainer):
         c, w = self.config, self.workers
         if self.resumed_from is not None:  # in synchronous-step equivalents, as checkpoints are named
             self.resumed_from = self.global_steps // w.world
-        self.sync = EditSynchronizer(self._units(), c.edit,
-                                     delta_scale=100.0 if w.rank == c.simulate_bad_rank else 1.0)
+        self.sync = EditSynchronizer(self._units(), c.edit, delta_scale=100.0 if w.rank == c.simulate_bad_rank else 1.0)
         if self._edit_state is not None:
             self.sync.load_state_dict(self._edit_state)
         else:
@@ -51,14 +50,15 @@ class LocalSgdTrainer(Trainer):
         self.period_s = c.sync_every_seconds
         self.period_steps = c.sync_every
 
-    def _units(self) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    def _units(self) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
         """Sync units in forward order: embeddings, each layer, then final norm + head (synced when the final
         norm is about to run)."""
         m = self.model
-        units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = [
-            (m.model.word_embeddings, [m.model.word_embeddings.weight])]
+        units: list[tuple[torch.nn.Module, list[torch.Tensor]]] = [
+            (m.model.word_embeddings, [m.model.word_embeddings.weight])
+        ]
         units += [(layer, list(layer.parameters())) for layer in m.model.layers]
-        last = [m.model.norm.weight]
+        last: list[torch.Tensor] = [m.model.norm.weight]
         if m.lm_head.weight is not m.model.word_embeddings.weight:
             last.append(m.lm_head.weight)
         units.append((m.model.norm, last))
@@ -118,17 +118,27 @@ class LocalSgdTrainer(Trainer):
         try:
             while True:
                 if self.warmup_left == 0 and self._sync_due():
-                    counters = self.workers.gather([
-                        float(self.step), 1.0 if self.stop_requested else 0.0,
-                        1.0 if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds else 0.0,
-                        last_sync_s, float(self.since_sync)])
+                    counters = self.workers.gather(
+                        [
+                            float(self.step),
+                            1.0 if self.stop_requested else 0.0,
+                            1.0 if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds else 0.0,
+                            last_sync_s,
+                            float(self.since_sync),
+                        ]
+                    )
                     before = self.global_steps
                     self.global_steps = int(counters[:, _STEPS].sum())
                     progress = self.global_steps // self.workers.world
-                    final = (self.global_steps >= self.budget or counters[:, _STOP].any()
-                             or counters[:, _OUT_OF_TIME].any())
-                    eval_due = bool(c.eval_every) and progress // c.eval_every > (before // self.workers.world) // c.eval_every
-                    save_due = bool(c.save_every) and progress // c.save_every > (before // self.workers.world) // c.save_every
+                    final = (
+                        self.global_steps >= self.budget or counters[:, _STOP].any() or counters[:, _OUT_OF_TIME].any()
+                    )
+                    eval_due = (
+                        bool(c.eval_every) and progress // c.eval_every > (before // self.workers.world) // c.eval_every
+                    )
+                    save_due = (
+                        bool(c.save_every) and progress // c.save_every > (before // self.workers.world) // c.save_every
+                    )
                     t0 = time.monotonic()
                     if final or eval_due or save_due or not c.edit.layerwise:
                         self.sync.sync_now()
@@ -145,16 +155,20 @@ class LocalSgdTrainer(Trainer):
                         if save_due or final:
                             checkpoint = self._save(start)
                         if final:
-                            stopped = ("interrupted" if counters[:, _STOP].any() else
-                                       "time limit" if counters[:, _OUT_OF_TIME].any() and
-                                       self.global_steps < self.budget else "completed")
+                            stopped = (
+                                "interrupted"
+                                if counters[:, _STOP].any()
+                                else "time limit"
+                                if counters[:, _OUT_OF_TIME].any() and self.global_steps < self.budget
+                                else "completed"
+                            )
                             break
                     self.since_sync = 0
                     self.last_sync_end = time.monotonic()
                 record = self._attempt()
                 if armed:
                     self.sync.finish()
-                    last_sync_s = self.sync.last.wait_s
+                    last_sync_s = self.sync.last_stats.wait_s
                     self._sync_record(counters, "layerwise")
                     armed = False
                 if record is None:
@@ -202,10 +216,12 @@ class LocalSgdTrainer(Trainer):
         self.period_s = c.sync_every_seconds if rate <= 0 else max(1e-3, min(c.sync_every_seconds, left / rate))
 
     def _sync_record(self, counters: Any, how: str) -> None:
-        stats = self.sync.last
+        stats = self.sync.last_stats
         record: Record = {
-            "event": "sync", "sync": stats.sync,
-            "step": self.global_steps // self.workers.world, "how": how,
+            "event": "sync",
+            "sync": stats.sync,
+            "step": self.global_steps // self.workers.world,
+            "how": how,
             "local_steps": [int(x) for x in counters[:, _SINCE]],
             "total_local_steps": self.global_steps,
             "previous_sync_s": [round(float(x), 4) for x in counters[:, _SYNC_S]],
@@ -213,8 +229,15 @@ class LocalSgdTrainer(Trainer):
         }
         self._emit(record)
 
-    def _result(self, first_loss: float | None, last_loss: float | None, eval_loss: float | None,
-                checkpoint: str | None, start: float, stopped: str) -> TrainResult:
+    def _result(
+        self,
+        first_loss: float | None,
+        last_loss: float | None,
+        eval_loss: float | None,
+        checkpoint: str | None,
+        start: float,
+        stopped: str,
+    ) -> TrainResult:
         result = super()._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
         result.steps = self.global_steps // self.workers.world
         return result

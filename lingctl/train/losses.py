@@ -41,9 +41,11 @@ def expert_load(routes: list[RouterOutput], num_experts: int) -> list[dict[str, 
     for r in routes:
         counts = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=num_experts).to(torch.float64)
         mean = counts.mean()
-        stats.append({
-            "max": round(float(counts.max() / mean), 4),
-            "min": round(float(counts.min() / mean), 4),
-            "cv": round(float(counts.std(unbiased=False) / mean), 4),
-        })
+        stats.append(
+            {
+                "max": round(float(counts.max() / mean), 4),
+                "min": round(float(counts.min() / mean), 4),
+                "cv": round(float(counts.std(unbiased=False) / mean), 4),
+            }
+        )
     return stats

@@ -32,6 +32,8 @@ TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 # The files at the top of a run directory, besides the manifest and the checkpoints.
 RUN_FILES = (TOKENIZER, METRICS, LATEST)
+# Written at the end of a local run when the name is free (``lingctl train plot``'s default output).
+PLOT = "loss.png"
 
 _CHECKPOINT = re.compile(r"checkpoints/step-(\d{8})")
 
@@ -48,7 +50,7 @@ def checkpoint_step(name: str) -> int | None:
 
 def is_layout_name(name: str) -> bool:
     """Whether ``name`` is one lingctl creates in a run directory (and so may appear in a manifest)."""
-    return name in RUN_FILES or checkpoint_step(name) is not None
+    return name in RUN_FILES or name == PLOT or checkpoint_step(name) is not None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,8 +58,9 @@ class Manifest:
     entries: set[str] = field(default_factory=set)
 
     def to_bytes(self) -> bytes:
-        return (json.dumps({"format": FORMAT, "version": VERSION, "entries": sorted(self.entries)}, indent=1)
-                + "\n").encode()
+        return (
+            json.dumps({"format": FORMAT, "version": VERSION, "entries": sorted(self.entries)}, indent=1) + "\n"
+        ).encode()
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Manifest:
@@ -74,8 +77,10 @@ class Manifest:
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise VerificationError(f"{where} is damaged: version {version!r}", hint=hint)
         if version > VERSION:
-            raise UsageError(f"{where} was written by a newer lingctl (manifest version {version})",
-                             hint="upgrade lingctl to continue this run")
+            raise UsageError(
+                f"{where} was written by a newer lingctl (manifest version {version})",
+                hint="upgrade lingctl to continue this run",
+            )
         entries = data.get("entries")
         if not isinstance(entries, list):
             raise VerificationError(f"{where} is damaged: 'entries' is not a list", hint=hint)
@@ -99,8 +104,9 @@ def parse_latest(raw: bytes, where: str) -> dict[str, Any]:
     step, path = data.get("step"), data.get("path")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise VerificationError(f"{where} is damaged: step {step!r} is not a step number", hint=hint)
-    check_relative(path, what=f"{where} path")
+    path = check_relative(path, what=f"{where} path")
     if checkpoint_step(path) is None:
-        raise VerificationError(f"{where} is damaged: path {printable(path)!r} is not checkpoints/step-NNNNNNNN",
-                                hint=hint)
+        raise VerificationError(
+            f"{where} is damaged: path {printable(path)!r} is not checkpoints/step-NNNNNNNN", hint=hint
+        )
     return {"step": step, "path": path}

@@ -77,16 +77,22 @@ class OwnedPlace(ABC):
         elif adopt:
             self.manifest = Manifest()
         else:
-            raise UsageError(f"{self.where} is not empty and was not created by lingctl (it has no {MANIFEST}); "
-                             "refusing to write into it", hint=self.hint)
+            raise UsageError(
+                f"{self.where} is not empty and was not created by lingctl (it has no {MANIFEST}); "
+                "refusing to write into it",
+                hint=self.hint,
+            )
 
     def _entries(self) -> set[str]:
         assert self.manifest is not None, "open() first"
         return self.manifest.entries
 
     def _refuse(self, name: str) -> UsageError:
-        return UsageError(f"{self.where}/{name} exists and lingctl did not write it (it is not listed in "
-                          f"{MANIFEST}); refusing to overwrite it", hint=self.conflict_hint)
+        return UsageError(
+            f"{self.where}/{name} exists and lingctl did not write it (it is not listed in "
+            f"{MANIFEST}); refusing to overwrite it",
+            hint=self.conflict_hint,
+        )
 
     def check(self, names: Iterable[str], *, steps: tuple[int, int]) -> None:
         """Refuse now, before anything is written, if a name this run will create (``names``, or a

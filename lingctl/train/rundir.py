@@ -52,13 +52,18 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "state"  # the pcache (DCP) checkpoint inside each checkpoint directory
 
-_FOREIGN_HINT = ("choose a new --out, or pass --adopt to add the run's files beside the ones there "
-                 "(lingctl never overwrites or deletes a file it did not write)")
+_FOREIGN_HINT = (
+    "choose a new --out, or pass --adopt to add the run's files beside the ones there "
+    "(lingctl never overwrites or deletes a file it did not write)"
+)
 
 
 def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
-    base = Path(cache_dir) if cache_dir is not None else Path(
-        os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "runs"
+    base = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "runs"
+    )
     return base / hashlib.sha256(str(url).encode()).hexdigest()[:16]
 
 
@@ -67,8 +72,9 @@ class RunDir:
     its directory, or the S3 store), ``staging`` the local directory it is written in first (the same
     ``LocalStore`` for a local run, the staging copy for an s3:// run)."""
 
-    def __init__(self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None,
-                 adopt: bool = False) -> None:
+    def __init__(
+        self, url: str, s3: S3Options | None = None, *, cache_dir: Path | None = None, adopt: bool = False
+    ) -> None:
         """``adopt``: the directory may already hold other files; lingctl adds its own beside them."""
         self.url = parse_url(url)
         self.s3 = s3 or S3Options()
@@ -76,8 +82,9 @@ class RunDir:
         self.store: ObjectStore = open_store(self.url, s3)
         self.remote_run = self.url.is_s3
         self.local = staging_dir(self.url, cache_dir) if self.remote_run else self.url.path
-        self.staging: ObjectStore = LocalStore(StoreURL("file", prefix=str(self.local))) if self.remote_run \
-            else self.store
+        self.staging: ObjectStore = (
+            LocalStore(StoreURL("file", prefix=str(self.local))) if self.remote_run else self.store
+        )
         self.remote: StorePlace | None = None
         if not self.remote_run:
             self.place = LocalPlace(self.local, hint=_FOREIGN_HINT)
@@ -211,8 +218,14 @@ class RunDir:
             self.publish(files)
             self.commit(step, rel)
 
-        self._uploader.submit(self.local / rel / STATE_DIR, str(self.url.join(f"{rel}/{STATE_DIR}")), self.s3,
-                              rank=None, finalize=True, on_durable=durable)
+        self._uploader.submit(
+            self.local / rel / STATE_DIR,
+            str(self.url.join(f"{rel}/{STATE_DIR}")),
+            self.s3,
+            rank=None,
+            finalize=True,
+            on_durable=durable,
+        )
 
     def wait_uploads(self) -> None:
         """Block until background checkpoint uploads are done; raise the first failure."""
@@ -229,8 +242,9 @@ class RunDir:
         """Delete all but the newest ``keep`` checkpoints this run's manifests list (never the current one,
         never one lingctl did not write). A failure is logged and tried again at the next checkpoint."""
         places = self._places()
-        listed = sorted({n for p in places if p.manifest is not None for n in p.manifest.entries
-                         if checkpoint_step(n) is not None})
+        listed = sorted(
+            {n for p in places if p.manifest is not None for n in p.manifest.entries if checkpoint_step(n) is not None}
+        )
         doomed = [n for n in listed[:-keep] if n != current] if keep > 0 else []
         for place in places:
             if place.manifest is None:

@@ -57,9 +57,13 @@ def open_init_source(spec: str) -> InitSource:
     weight_files(directory)  # no weights (or pickled ones only): one line now, not after the data is read
     raw = read_json_object(directory / CONFIG) or {}
     repo = spec.split("@", 1)[0] if is_repo_id(spec) and not Path(spec).exists() else None
-    return InitSource(spec=spec, directory=directory, config=config,
-                      tokenizer_config=read_json_object(directory / TOKENIZER_CONFIG),
-                      code_repo=code_repo_of(raw, repo))
+    return InitSource(
+        spec=spec,
+        directory=directory,
+        config=config,
+        tokenizer_config=read_json_object(directory / TOKENIZER_CONFIG),
+        code_repo=code_repo_of(raw, repo),
+    )
 
 
 def tokenizer_source(spec: str) -> tuple[Path, dict[str, Any] | None]:
@@ -73,8 +77,10 @@ def tokenizer_source(spec: str) -> tuple[Path, dict[str, Any] | None]:
     if path.is_dir():
         file = path / TOKENIZER
         if not file.is_file():
-            raise NotFoundError(f"no {TOKENIZER} in {path}", hint="--tokenizer takes a tokenizer.json, a directory "
-                                                                 "holding one, or a Hub id")
+            raise NotFoundError(
+                f"no {TOKENIZER} in {path}",
+                hint="--tokenizer takes a tokenizer.json, a directory holding one, or a Hub id",
+            )
         return file, read_json_object(path / TOKENIZER_CONFIG)
     raise NotFoundError(f"tokenizer not found: {spec}")
 

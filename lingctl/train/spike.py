@@ -107,10 +107,15 @@ class SpikeGuard:
         c = self.config
         if not math.isfinite(grad_norm):
             return Verdict(True, f"gradient norm is {grad_norm}")
-        if (self._armed() and self.grad.count >= c.warmup_steps and self.grad.z(grad_norm) > c.grad_z
-                and grad_norm > c.grad_ratio * self.grad.mean):
-            return Verdict(True, f"grad norm {grad_norm:.4g} vs EMA {self.grad.mean:.4g} "
-                                 f"(z={self.grad.z(grad_norm):.1f})")
+        if (
+            self._armed()
+            and self.grad.count >= c.warmup_steps
+            and self.grad.z(grad_norm) > c.grad_z
+            and grad_norm > c.grad_ratio * self.grad.mean
+        ):
+            return Verdict(
+                True, f"grad norm {grad_norm:.4g} vs EMA {self.grad.mean:.4g} (z={self.grad.z(grad_norm):.1f})"
+            )
         return Verdict(False)
 
     def accept(self, loss: float, grad_norm: float) -> None:
@@ -132,9 +137,14 @@ class SpikeGuard:
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"loss": asdict(self.loss), "grad": asdict(self.grad), "lr_scale": self.lr_scale,
-                "spike_steps": list(self.spike_steps), "total_spikes": self.total_spikes,
-                "lr_drops": self.lr_drops}
+        return {
+            "loss": asdict(self.loss),
+            "grad": asdict(self.grad),
+            "lr_scale": self.lr_scale,
+            "spike_steps": list(self.spike_steps),
+            "total_spikes": self.total_spikes,
+            "lr_drops": self.lr_drops,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss = _Ema(**state["loss"])

@@ -30,8 +30,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     on resume ends up with the ids its checkpoint was trained on.
     """
     if vocab_size < MIN_VOCAB_SIZE:
-        raise UsageError(f"vocab size {vocab_size} is too small: the byte alphabet and special tokens alone need 260 entries",
-                         hint=f"use a vocab size of at least {MIN_VOCAB_SIZE}")
+        raise UsageError(
+            f"vocab size {vocab_size} is too small: the byte alphabet and special tokens alone need 260 entries",
+            hint=f"use a vocab size of at least {MIN_VOCAB_SIZE}",
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -52,13 +54,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.exists():
         raise NotFoundError(f"tokenizer not found: {path}")
     if path.is_dir():
-        raise UsageError(f"tokenizer path is a directory: {path}", hint=f"pass the file, e.g. {path / 'tokenizer.json'}")
+        raise UsageError(
+            f"tokenizer path is a directory: {path}", hint=f"pass the file, e.g. {path / 'tokenizer.json'}"
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception with a multi-line serde message
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LingctlError(f"not a valid tokenizer file: {path}: {reason}",
-                           hint="expected a tokenizer.json as written by the tokenizers library") from exc
+        raise LingctlError(
+            f"not a valid tokenizer file: {path}: {reason}",
+            hint="expected a tokenizer.json as written by the tokenizers library",
+        ) from exc
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
@@ -73,5 +79,7 @@ def eos_id(tok: Tokenizer) -> int:
         token_id = tok.token_to_id(name)
         if token_id is not None:
             return token_id
-    raise LingctlError("the tokenizer has no end-of-text token (" + ", ".join(EOS_ALIASES) + ")",
-                       hint="train a tokenizer with lingctl or use one that defines an EOS token")
+    raise LingctlError(
+        "the tokenizer has no end-of-text token (" + ", ".join(EOS_ALIASES) + ")",
+        hint="train a tokenizer with lingctl or use one that defines an EOS token",
+    )

@@ -74,6 +74,8 @@ class TrainResult:
     elapsed_s: float
     stopped: str  # "completed", "time limit", "interrupted"
     resumed_from: int | None = None
+    wall_s: float | None = None  # this process, start-up included
+    tokens_per_s: float | None = None  # tokens trained by this process / its time in the training loop
 
 
 @dataclass(slots=True)
@@ -92,13 +94,23 @@ class _Position:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, run: RunDir, *, resume: bool = False, restart: bool = False,
-                 on_record: Callable[[Record], None] | None = None, workers: Workers | None = None,
-                 init: InitSource | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        run: RunDir,
+        *,
+        resume: bool = False,
+        restart: bool = False,
+        on_record: Callable[[Record], None] | None = None,
+        workers: Workers | None = None,
+        init: InitSource | None = None,
+        announce_setup: bool = False,
+    ) -> None:
         """``resume``: continue from the run's committed checkpoint. ``restart``: the run directory may hold
         a run that never reached a checkpoint; start it over (otherwise an existing run is refused).
         ``workers``: this process's place among several (one worker when None). ``init``: the checkpoint a
-        new run starts from (``--init-from``)."""
+        new run starts from (``--init-from``). ``announce_setup``: ``setup`` of a new run emits a ``preparing``
+        record before its slow part, for a live view (not a metric: metrics.jsonl does not get it)."""
         self.config = config
         self.workers = workers or Workers()
         self.run = run
@@ -121,6 +133,8 @@ class Trainer:
         self.tokenizer_config: dict[str, Any] | None = None
         # Where the checkpoints' config.json auto_map sends transformers for Ling's code.
         self.code_repo = default_code_repo(config.hf_code_repo, init)
+        self._metrics: Any = None  # metrics.jsonl while train() runs; records before it reach on_record only
+        self.announce_setup = announce_setup
 
     # -- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -132,8 +146,10 @@ class Trainer:
                 self.run.fetch_for_resume(latest, last_step=c.steps, main=w.is_main)
             w.barrier()
         elif self.run.has_content() and not self.restart:
-            raise UsageError(f"{self.run.describe()} already holds a training run",
-                             hint="pass --resume to continue it, or choose another --out")
+            raise UsageError(
+                f"{self.run.describe()} already holds a training run",
+                hint="pass --resume to continue it, or choose another --out",
+            )
         else:
             # Before the data is read and before anything is written: a directory holding files lingctl did
             # not write is refused (or, adopted, its names are kept out of the run's way).
@@ -146,8 +162,14 @@ class Trainer:
             tokenizer_path = self.init.tokenizer
             self.tokenizer_config = self.init.tokenizer_config
             if tokenizer_path is None:
-                raise NotFoundError(f"{self.init.directory} has no {TOKENIZER}",
-                                    hint="pass --tokenizer with the tokenizer the checkpoint was trained with")
+                raise NotFoundError(
+                    f"{self.init.directory} has no {TOKENIZER}",
+                    hint="pass --tokenizer with the tokenizer the checkpoint was trained with",
+                )
+        # A new run is checked by now; reading and tokenizing the data and building the model take a while.
+        # (A resume verifies its checkpoint only after that, so it says nothing here: its error comes first.)
+        if self.announce_setup and latest is None:
+            self._emit({"event": "preparing", "run_dir": self.run.describe()})
         if latest is None and not w.is_main:
             # Workers use rank 0's tokenizer, sent over the process group: no shared directory is needed.
             tokenizer_path = self._received_tokenizer(w.broadcast(None))
@@ -172,7 +194,10 @@ class Trainer:
         o = c.optim
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.res.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+            lr=self.res.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+        )
         # Metrics are written by rank 0; the other workers' records go nowhere (their figures reach rank 0
         # through the sync records).
         self.metrics_path = self.run.local / METRICS if self.workers.is_main else None
@@ -227,8 +252,10 @@ class Trainer:
         try:
             self._restore(state)
         except (KeyError, TypeError, ValueError) as exc:
-            raise VerificationError(f"{ckpt}: the saved training state is damaged ({type(exc).__name__}: {exc})",
-                                    hint="resume from another checkpoint, or start a new run") from None
+            raise VerificationError(
+                f"{ckpt}: the saved training state is damaged ({type(exc).__name__}: {exc})",
+                hint="resume from another checkpoint, or start a new run",
+            ) from None
         if self.metrics_path is not None:
             self._truncate_metrics(self.step)
         log.info("resumed %s at step %d", self.run.describe(), self.step)
@@ -236,9 +263,11 @@ class Trainer:
     def _restore(self, state: dict[str, Any]) -> None:
         """Position, guard, router statistics and RNG from a checkpoint's training state."""
         if state["fingerprint"] != self.data.fingerprint:
-            raise LingctlError("the training data changed since this run was checkpointed "
-                               f"(fingerprint {state['fingerprint']} -> {self.data.fingerprint})",
-                               hint="resume with the same --data, or start a new run with another --out")
+            raise LingctlError(
+                "the training data changed since this run was checkpointed "
+                f"(fingerprint {state['fingerprint']} -> {self.data.fingerprint})",
+                hint="resume with the same --data, or start a new run with another --out",
+            )
         self.guard.load_state_dict(state["guard"])
         for router, (mean, std) in zip(self.model.routers(), state["router_stats"]):
             router.logit_mean, router.logit_std = mean, std
@@ -252,22 +281,33 @@ class Trainer:
         """Model and optimizer from the run's pcache checkpoint; returns the rest of the training state."""
         marker = read_marker(directory)  # one line and exit 4 when it is not a pcache marker
         if marker is None:
-            raise NotFoundError(f"{directory}: the checkpoint has no commit marker (its save did not finish)",
-                                hint="resume from a complete checkpoint")
+            raise NotFoundError(
+                f"{directory}: the checkpoint has no commit marker (its save did not finish)",
+                hint="resume from a complete checkpoint",
+            )
         saved = marker.get("world_size", 1)
         if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
-            raise VerificationError(f"{directory}: the commit marker's world_size {saved!r} is not a worker count",
-                                    hint="the checkpoint is damaged; resume from another one")
+            raise VerificationError(
+                f"{directory}: the commit marker's world_size {saved!r} is not a worker count",
+                hint="the checkpoint is damaged; resume from another one",
+            )
         if saved != self.workers.world:
-            raise UsageError(f"the run was checkpointed by {saved} worker(s); this job has {self.workers.world}",
-                             hint=f"resume with --nproc {saved}")
+            raise UsageError(
+                f"the run was checkpointed by {saved} worker(s); this job has {self.workers.world}",
+                hint=f"resume with --nproc {saved}",
+            )
         train_key, optim_key = self._keys()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        template = {"model": model_sd, optim_key: optim_sd, train_key: {"meta": "", "rng": torch.get_rng_state()},
-                    **self._extra_state()}
+        template = {
+            "model": model_sd,
+            optim_key: optim_sd,
+            train_key: {"meta": "", "rng": torch.get_rng_state()},
+            **self._extra_state(),
+        }
         pcache_load(template, directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=template["model"],
-                       optim_state_dict=template[optim_key])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template[optim_key]
+        )
         self._load_extra_state(template)
         state = json.loads(template[train_key]["meta"])
         state["rng"] = template[train_key]["rng"]
@@ -276,9 +316,12 @@ class Trainer:
     def _truncate_metrics(self, step: int) -> None:
         """Drop records written after the checkpoint (and a torn last line), so the resumed run's records
         continue the file as if there had been no interruption."""
+        path = self.metrics_path
+        if path is None:  # this process writes no metrics (a worker other than the first)
+            return
         kept = []
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text(errors="replace").splitlines():
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
@@ -289,7 +332,7 @@ class Trainer:
                     if record.get("step") == step and record.get("event") not in ("step", "eval", "checkpoint"):
                         continue
                     kept.append(line)
-        with atomic_write(self.metrics_path) as (_, f):
+        with atomic_write(path) as (_, f):
             f.write("".join(k + "\n" for k in kept).encode())
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -358,17 +401,33 @@ class Trainer:
         if self.workers.rank == c.simulate_slow_rank and c.slowdown > 1:
             time.sleep(record["step_s"] * (c.slowdown - 1))
 
-    def _result(self, first_loss: float | None, last_loss: float | None, eval_loss: float | None,
-                checkpoint: str | None, start: float, stopped: str) -> TrainResult:
+    def _result(
+        self,
+        first_loss: float | None,
+        last_loss: float | None,
+        eval_loss: float | None,
+        checkpoint: str | None,
+        start: float,
+        stopped: str,
+    ) -> TrainResult:
         c = self.config
         return TrainResult(
-            run_dir=self.run.describe(), steps=self.step, target_steps=c.steps, tokens=self.tokens,
+            run_dir=self.run.describe(),
+            steps=self.step,
+            target_steps=c.steps,
+            tokens=self.tokens,
             parameters=self.model.config.num_parameters(),
             active_parameters=self.model.config.num_parameters(active=True),
-            first_loss=first_loss, last_loss=last_loss, eval_loss=eval_loss,
-            spikes_skipped=self.guard.total_spikes, lr_drops=self.guard.lr_drops, checkpoint=checkpoint,
-            elapsed_s=round(self.elapsed_before + time.monotonic() - start, 3), stopped=stopped,
-            resumed_from=self.resumed_from)
+            first_loss=first_loss,
+            last_loss=last_loss,
+            eval_loss=eval_loss,
+            spikes_skipped=self.guard.total_spikes,
+            lr_drops=self.guard.lr_drops,
+            checkpoint=checkpoint,
+            elapsed_s=round(self.elapsed_before + time.monotonic() - start, 3),
+            stopped=stopped,
+            resumed_from=self.resumed_from,
+        )
 
     def _next_batch(self) -> tuple[list[int], int]:
         """Rows for this attempt and how often they were tried before: a due retry first, else fresh data."""
@@ -376,8 +435,12 @@ class Trainer:
         if retries and retries[0].due <= self.step:
             r = retries.pop(0)
             return r.rows, r.tries
-        n = schedule.batch_size(self.step, target=self.res.batch_size, start=self.config.batch_start,
-                                warmup_steps=self.config.batch_warmup_steps)
+        n = schedule.batch_size(
+            self.step,
+            target=self.res.batch_size,
+            start=self.config.batch_start,
+            warmup_steps=self.config.batch_warmup_steps,
+        )
         rows = strided_rows(self.order.indices, self.position.cursor, n, self.workers.rank, self.workers.world)
         self.position.cursor += n
         return rows, 0
@@ -387,18 +450,27 @@ class Trainer:
         for i, router in enumerate(self.model.routers()):
             router.warmup_alpha = alpha
             # Noise keyed by (seed, attempt, layer): identical after a resume, no generator state to save.
-            router.noise_generator = (torch.Generator().manual_seed(
-                (self.config.seed * 1_000_003 + self.attempt) * 1_009 + i) if alpha < 1.0 else None)
+            router.noise_generator = (
+                torch.Generator().manual_seed((self.config.seed * 1_000_003 + self.attempt) * 1_009 + i)
+                if alpha < 1.0
+                else None
+            )
         return alpha
 
     def _lr(self) -> float:
         o = self.config.optim
-        base = schedule.learning_rate(self.step, peak=self.res.lr, warmup_steps=o.warmup_steps,
-                                      total_steps=self.config.steps, min_ratio=o.min_lr_ratio)
+        base = schedule.learning_rate(
+            self.step,
+            peak=self.res.lr,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.config.steps,
+            min_ratio=o.min_lr_ratio,
+        )
         return base * self.guard.lr_scale
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 module: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    def _forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, module: torch.nn.Module | None = None
+    ) -> dict[str, Any]:
         c = self.config
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.dtype == "bfloat16"):
             out = (module or self.wrapped)(inputs)
@@ -462,12 +534,19 @@ class Trainer:
         self.tokens += n_tokens
         dt = time.monotonic() - t0
         record: Record = {
-            "event": "step", "step": self.step, "loss": loss_value,
+            "event": "step",
+            "step": self.step,
+            "loss": loss_value,
             "lm_loss": round(float(parts["lm_loss"].detach()), 6),
             "balance_loss": round(float(parts["balance_loss"].detach()), 6),
-            "z_loss": round(float(parts["z_loss"].detach()), 6), "grad_norm": round(grad_norm, 6), "lr": lr,
-            "batch_size": len(rows), "tokens": self.tokens, "tokens_per_s": round(n_tokens / max(dt, 1e-9), 1),
-            "step_s": round(dt, 4), "routing_alpha": round(alpha, 4),
+            "z_loss": round(float(parts["z_loss"].detach()), 6),
+            "grad_norm": round(grad_norm, 6),
+            "lr": lr,
+            "batch_size": len(rows),
+            "tokens": self.tokens,
+            "tokens_per_s": round(n_tokens / max(dt, 1e-9), 1),
+            "step_s": round(dt, 4),
+            "routing_alpha": round(alpha, 4),
             "expert_load": losses.expert_load(parts["routes"], self.model.config.num_experts),
             "spikes_skipped": self.guard.total_spikes,
         }
@@ -484,13 +563,20 @@ class Trainer:
         so the last checkpoint stays the last good state."""
         message = f"training diverged after step {self.step}: {why}"
         self._emit({"event": "diverged", "step": self.step, "attempt": self.attempt, "reason": why})
-        raise TrainingDiverged(message, hint="start a new run with a lower --lr; the last checkpoint, if any, "
-                                             "predates this step")
+        raise TrainingDiverged(
+            message, hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step"
+        )
 
     def _on_spike(self, rows: list[int], tries: int, loss: float, grad_norm: float, reason: str) -> None:
         c = self.config.spike
-        record: Record = {"event": "spike", "step": self.step, "attempt": self.attempt, "loss": loss,
-                          "grad_norm": None if math.isnan(grad_norm) else grad_norm, "reason": reason}
+        record: Record = {
+            "event": "spike",
+            "step": self.step,
+            "attempt": self.attempt,
+            "loss": loss,
+            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
+            "reason": reason,
+        }
         if tries < c.max_retries:
             due = self.step + c.retry_after_steps
             self.position.retries.append(_Retry(due, rows, tries + 1))
@@ -537,11 +623,18 @@ class Trainer:
             self.run.claim_checkpoint(rel, main=self.workers.is_main)
         self.workers.barrier()
         if self.workers.is_main:
-            save_checkpoint(self.model, directory, tokenizer_json=self.data.tokenizer.to_str(),
-                            tokenizer_config=self.tokenizer_config, max_shard_size=self.config.max_shard_size,
-                            code_repo=self.code_repo)
+            save_checkpoint(
+                self.model,
+                directory,
+                tokenizer_json=self.data.tokenizer.to_str(),
+                tokenizer_config=self.tokenizer_config,
+                max_shard_size=self.config.max_shard_size,
+                code_repo=self.code_repo,
+            )
         meta = {
-            "step": self.step, "attempt": self.attempt, "tokens": self.tokens,
+            "step": self.step,
+            "attempt": self.attempt,
+            "tokens": self.tokens,
             "cursor": self.position.cursor,
             "retries": [{"due": r.due, "rows": r.rows, "tries": r.tries} for r in self.position.retries],
             "guard": self.guard.state_dict(),
@@ -576,8 +669,12 @@ class Trainer:
     def _state(self, meta: dict[str, Any]) -> dict[str, Any]:
         train_key, optim_key = self._keys()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, optim_key: optim_sd,
-                train_key: {"meta": json.dumps(meta), "rng": torch.get_rng_state()}, **self._extra_state()}
+        return {
+            "model": model_sd,
+            optim_key: optim_sd,
+            train_key: {"meta": json.dumps(meta), "rng": torch.get_rng_state()},
+            **self._extra_state(),
+        }
 
     def _extra_state(self) -> dict[str, Any]:
         """What a training mode adds to the checkpoint (the local-SGD outer optimizer)."""
@@ -587,6 +684,8 @@ class Trainer:
         pass
 
     def _emit(self, record: Record) -> None:
+        # Wall-clock time of every record (Unix seconds): lines up the metrics with logs and other runs.
+        record["time"] = round(time.time(), 3)
         if self._metrics is not None:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()

@@ -108,8 +108,13 @@ def _attempt_store(rank: int, world: int, restarts: int) -> dist.Store:
     outlives a restart: without a prefix per attempt, a restarted worker can read the addresses the
     previous attempt's (dead) workers left there and fail to connect."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=10))
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timedelta(minutes=10),
+    )
     return dist.PrefixStore(f"lingctl/attempt-{restarts}", store)
 
 
@@ -134,8 +139,19 @@ def launch_argv(nproc: int, max_restarts: int, argv: list[str]) -> list[str]:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     if max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "lingctl", "train", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        "-m",
+        "lingctl",
+        "train",
+        *argv,
+    ]
 
 
 def strided_rows(indices: Any, cursor: int, count: int, rank: int, world: int) -> list[int]:
@@ -148,7 +164,7 @@ def strided_rows(indices: Any, cursor: int, count: int, rank: int, world: int) -
 
 def worker_args(argv: list[str]) -> list[str]:
     """The ``train`` options of a command line, without the launcher's own (--nproc, --max-restarts)."""
-    args = argv[argv.index("train") + 1:] if "train" in argv else list(argv)
+    args = argv[argv.index("train") + 1 :] if "train" in argv else list(argv)
     kept, skip = [], False
     for arg in args:
         if skip:
@@ -172,8 +188,13 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     import threading
 
     debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
-    proc = subprocess.Popen(launch_argv(nproc, max_restarts, worker_args(argv)), env=launch_env(nproc),
-                            stderr=None if debug else subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(
+        launch_argv(nproc, max_restarts, worker_args(argv)),
+        env=launch_env(nproc),
+        stderr=None if debug else subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
     codes: list[int] = []
     relay = None if debug else threading.Thread(target=_relay, args=(proc.stderr, codes), daemon=True)
     if relay is not None:
@@ -195,8 +216,10 @@ def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     # The workers printed their own one-line errors; the launcher's report (a traceback and a table) was
     # held back.
     code = job_exit_code(codes)
-    sys.stderr.write(f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
-                     "hint: its error is above; LINGCTL_DEBUG=1 shows the launcher's full report\n")
+    sys.stderr.write(
+        f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
+        "hint: its error is above; LINGCTL_DEBUG=1 shows the launcher's full report\n"
+    )
     return code
 
 

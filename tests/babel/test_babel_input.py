@@ -40,8 +40,11 @@ def one_line_error(stderr: str) -> str:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and ".lingctl-babel" not in p.parts}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".lingctl-babel" not in p.parts
+    }
 
 
 def write(root: Path, files: dict[str, bytes]) -> None:
@@ -122,8 +125,13 @@ def _drop_dac_override() -> None:
 
 
 def run_unprivileged(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lingctl", *args], capture_output=True, text=True, timeout=120,
-                          preexec_fn=_drop_dac_override if os.geteuid() == 0 else None)
+    return subprocess.run(
+        [sys.executable, "-m", "lingctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_drop_dac_override if os.geteuid() == 0 else None,
+    )
 
 
 def test_unreadable_subdirectories_are_reported_and_the_rest_synced(tmp_path: Path) -> None:
@@ -141,8 +149,16 @@ def test_unreadable_subdirectories_are_reported_and_the_rest_synced(tmp_path: Pa
             d.chmod(0o755)
     assert r.returncode == 1, r.stderr  # permanent until fixed: not 5 ("run again")
     for d in locked:  # one line each on stderr, naming the directory and why
-        assert len([line for line in r.stderr.splitlines() if f"{d}: permission denied" in line
-                    and not line.startswith(("lingctl: error", "hint"))]) == 1, r.stderr
+        assert (
+            len(
+                [
+                    line
+                    for line in r.stderr.splitlines()
+                    if f"{d}: permission denied" in line and not line.startswith(("lingctl: error", "hint"))
+                ]
+            )
+            == 1
+        ), r.stderr
     assert "permission denied" in one_line_error(r.stderr)
     result = json.loads(r.stdout)
     assert sorted(f["key"] for f in result["failed"]) == sorted(str(d) for d in locked)
@@ -191,8 +207,9 @@ def test_escape_sequences_in_s3_keys_never_reach_the_terminal(lingctl, tmp_path:
 # -- 5. credentials in endpoint URLs ---------------------------------------------------------------------
 
 
-def test_endpoint_password_is_never_shown_and_malformed_endpoints_are_usage_errors(lingctl, tmp_path: Path,
-                                                                                    s3_env) -> None:
+def test_endpoint_password_is_never_shown_and_malformed_endpoints_are_usage_errors(
+    lingctl, tmp_path: Path, s3_env
+) -> None:
     src = tmp_path / "src"
     write(src, {"a.txt": b"a"})
     dead = f"http://admin:hunter2@127.0.0.1:{free_port()}"
@@ -214,9 +231,11 @@ def test_unusable_state_dirs_are_one_line_errors(lingctl, tmp_path: Path) -> Non
     src, dst = tmp_path / "src", tmp_path / "dst"
     write(src, {"a.txt": b"a"})
     (tmp_path / "a-file").write_bytes(b"in the way")
-    for state, words in ((Path("/proc/lingctl-state"), "cannot create the state directory"),
-                         (Path("/proc/self"), "cannot write in the state directory"),
-                         (tmp_path / "a-file" / "state", "state directory")):
+    for state, words in (
+        (Path("/proc/lingctl-state"), "cannot create the state directory"),
+        (Path("/proc/self"), "cannot write in the state directory"),
+        (tmp_path / "a-file" / "state", "state directory"),
+    ):
         r = lingctl("babel", "sync", str(src), str(dst), "--state-dir", str(state))
         assert r.returncode == 2, r.stderr
         assert words in one_line_error(r.stderr)

@@ -4,9 +4,9 @@ import pytest
 
 from lingctl.babel.filters import KeyFilter, glob_to_regex, parse_shard
 from lingctl.babel.index import ListingIndex
-from lingctl.core.storage.retry import Aimd
 from lingctl.babel.transfer import MAX_PARTS, MiB, part_size_for
 from lingctl.core.errors import UsageError
+from lingctl.core.storage.retry import Aimd
 
 
 def test_listing_index_spills_to_disk_past_its_threshold_and_keeps_answering() -> None:
@@ -22,12 +22,23 @@ def test_listing_index_spills_to_disk_past_its_threshold_and_keeps_answering() -
     index.close()
 
 
-@pytest.mark.parametrize("pattern,key,hit", [
-    ("*.tmp", "a/b/c.tmp", True), ("*.tmp", "c.tmp", True), ("*.tmp", "a/c.tmpx", False),
-    ("/top.txt", "top.txt", True), ("/top.txt", "a/top.txt", False),
-    ("dir/*", "dir/x", True), ("dir/*", "dir/x/y", False), ("dir/**", "dir/x/y", True),
-    ("a?c", "abc", True), ("a?c", "a/c", False), ("[ab].txt", "b.txt", True), ("[ab].txt", "c.txt", False),
-])
+@pytest.mark.parametrize(
+    "pattern,key,hit",
+    [
+        ("*.tmp", "a/b/c.tmp", True),
+        ("*.tmp", "c.tmp", True),
+        ("*.tmp", "a/c.tmpx", False),
+        ("/top.txt", "top.txt", True),
+        ("/top.txt", "a/top.txt", False),
+        ("dir/*", "dir/x", True),
+        ("dir/*", "dir/x/y", False),
+        ("dir/**", "dir/x/y", True),
+        ("a?c", "abc", True),
+        ("a?c", "a/c", False),
+        ("[ab].txt", "b.txt", True),
+        ("[ab].txt", "c.txt", False),
+    ],
+)
 def test_globs_follow_rclone_semantics(pattern: str, key: str, hit: bool) -> None:
     assert bool(glob_to_regex(pattern).match(key)) is hit
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from lingctl.babel.listing import Listed, ListStats, list_tree
-from lingctl.core.atomic import TMP_MARKER, tmp_path as atomic_tmp_path
+from lingctl.core.atomic import TMP_MARKER
+from lingctl.core.atomic import tmp_path as atomic_tmp_path
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
@@ -80,8 +81,9 @@ def local_tree(tmp_path: Path) -> tuple[Path, dict[str, os.stat_result]]:
 
 
 @pytest.mark.parametrize("jobs", [1, 8])
-def test_local_tree_lists_every_file_once_with_exact_stats(local_tree, jobs: int,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_local_tree_lists_every_file_once_with_exact_stats(
+    local_tree, jobs: int, caplog: pytest.LogCaptureFixture
+) -> None:
     root, expected = local_tree
     stats = ListStats()
     with caplog.at_level(logging.WARNING, logger="lingctl.babel.listing"):
@@ -137,17 +139,27 @@ def test_stopping_early_releases_the_workers(local_tree) -> None:
 def test_abandoned_listing_does_not_block_exit(local_tree) -> None:
     root, _ = local_tree
     # The generator stays suspended (a global holds it) with its workers blocked on a full queue.
-    code = ("import sys; from lingctl.babel.listing import list_tree\n"
-            f"it = list_tree({str(root)!r}, jobs=1)\nnext(it)\n")
+    code = f"import sys; from lingctl.babel.listing import list_tree\nit = list_tree({str(root)!r}, jobs=1)\nnext(it)\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
 
 
 # -- S3 ---------------------------------------------------------------------------------------------------
 
-WEIRD_KEYS = ["weird/with space.txt", "weird/plus+sign", "weird/percent%20literal", "weird/amp&er&sand",
-              "weird/ünïcödé/日本語.bin", "weird/a b/c d/e+f", "weird/tilde~x", "weird/quote'and\"dq",
-              "weird/lt<gt>", "weird/question?mark", "weird/hash#tag", "weird/semi;colon=eq"]
+WEIRD_KEYS = [
+    "weird/with space.txt",
+    "weird/plus+sign",
+    "weird/percent%20literal",
+    "weird/amp&er&sand",
+    "weird/ünïcödé/日本語.bin",
+    "weird/a b/c d/e+f",
+    "weird/tilde~x",
+    "weird/quote'and\"dq",
+    "weird/lt<gt>",
+    "weird/question?mark",
+    "weird/hash#tag",
+    "weird/semi;colon=eq",
+]
 
 
 def flat_keys() -> list[str]:
@@ -166,8 +178,11 @@ def flat_keys() -> list[str]:
     return keys
 
 
-NESTED_KEYS = ([f"nested/a/b/c/f{i}" for i in range(5)] + [f"nested/x{i}" for i in range(10)]
-               + ["nested/sp ace+dir/é/f", "nested/a/top", ".lingctl-babel/journal", "nested/.lingctl-babel/j"])
+NESTED_KEYS = (
+    [f"nested/a/b/c/f{i}" for i in range(5)]
+    + [f"nested/x{i}" for i in range(10)]
+    + ["nested/sp ace+dir/é/f", "nested/a/top", ".lingctl-babel/journal", "nested/.lingctl-babel/j"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +234,9 @@ def test_s3_bucket_listing_equals_paginator(tree_bucket: str, s3_env, jobs: int)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("forced", [False, True], ids=["adaptive", "forced"])
-def test_s3_flat_prefix_lists_in_parallel_ranges(tree_bucket: str, s3_env, forced: bool,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_flat_prefix_lists_in_parallel_ranges(
+    tree_bucket: str, s3_env, forced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if forced:
         # Split at full width whatever the measured gain, so every boundary case below is met.
         monkeypatch.setattr(s3_listing, "_MIN_GAIN", 0.0)
@@ -236,7 +252,8 @@ def test_s3_flat_prefix_lists_in_parallel_ranges(tree_bucket: str, s3_env, force
 def test_s3_sub_prefix_gives_relative_keys_and_skips_state_dirs(tree_bucket: str, s3_env) -> None:
     got = collect(list_tree(f"s3://{tree_bucket}/nested/", skip_dirs=frozenset({".lingctl-babel"})))
     assert set(got) == {k.removeprefix("nested/") for k in NESTED_KEYS if k.startswith("nested/")} - {
-        ".lingctl-babel/j"}
+        ".lingctl-babel/j"
+    }
     assert got["sp ace+dir/é/f"].size == len("nested/sp ace+dir/é/f".encode())
     weird = collect(list_tree(f"s3://{tree_bucket}/weird", S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"])))
     assert set(weird) == {k.removeprefix("weird/") for k in WEIRD_KEYS}
@@ -264,13 +281,13 @@ def test_s3_transient_faults_are_retried(tree_bucket: str, s3_env, s3_server: Lo
 
 
 @pytest.mark.slow
-def test_s3_throttling_that_persists_is_retryable_exhausted(tree_bucket: str, s3_env,
-                                                            s3_server: LocalS3Server) -> None:
+def test_s3_throttling_that_persists_is_retryable_exhausted(tree_bucket: str, s3_env, s3_server: LocalS3Server) -> None:
     stats = ListStats()
-    with FaultProxy(s3_server.endpoint, rule=first_n(1000)) as proxy, \
-            pytest.raises(RetryableError, match="after 5 attempt.*SlowDown") as info:
-        collect(list_tree(f"s3://{tree_bucket}", S3Options(endpoint_url=proxy.endpoint, max_attempts=2),
-                          stats=stats))
+    with (
+        FaultProxy(s3_server.endpoint, rule=first_n(1000)) as proxy,
+        pytest.raises(RetryableError, match="after 5 attempt.*SlowDown") as info,
+    ):
+        collect(list_tree(f"s3://{tree_bucket}", S3Options(endpoint_url=proxy.endpoint, max_attempts=2), stats=stats))
     assert info.value.exit_code == 5
     assert (stats.requests, stats.retries) == (5, 4)
 

@@ -106,8 +106,9 @@ def test_copy_keeps_extras_sync_removes_them_within_limits(capsys, src: Path, tm
 # -- single files: copy into a directory, copyto a name, both directions -----------------------------------
 
 
-def test_single_files_copy_into_directories_and_to_names(capsys, src: Path, tmp_path: Path, s3_env,
-                                                          s3_bucket: str) -> None:
+def test_single_files_copy_into_directories_and_to_names(
+    capsys, src: Path, tmp_path: Path, s3_env, s3_bucket: str
+) -> None:
     client = make_client(S3Options(endpoint_url=s3_env["AWS_ENDPOINT_URL"]))
     client.put_object(Bucket=s3_bucket, Key="p/other.txt", Body=b"stays")
     a = src / "a.bin"
@@ -152,8 +153,11 @@ def test_stats_lines_off_a_terminal_and_forced_progress(capsys, src: Path, tmp_p
     assert code == 0 and "copied 3 objects (8.1 KiB)" in out
     stats = [line for line in err.splitlines() if "Transferred:" in line]
     assert stats, err
-    assert re.search(r"Transferred: 8\.1 KiB / 8\.1 KiB, 100%, .* objects: 3 copied, 3 checked, 3 listed; "
-                     r"errors: 0", stats[-1]), stats[-1]
+    assert re.search(
+        r"Transferred: 8\.1 KiB / 8\.1 KiB, 100%, .* objects: 3 copied, 3 checked, 3 listed; "
+        r"errors: 0",
+        stats[-1],
+    ), stats[-1]
     code, _, err = babel(capsys, "copy", str(src), str(tmp_path / "b"), "--stats", "0")
     assert code == 0 and "Transferred:" not in err
     code, _, err = babel(capsys, "copy", str(src), str(tmp_path / "c"), "-P", "--stats", "1ms")
@@ -198,7 +202,7 @@ def test_bwlimit_rates_and_token_bucket() -> None:
 
 
 def test_bwlimit_paces_a_large_object_part_by_part(tmp_path: Path) -> None:
-    from lingctl.babel.sync import SyncOptions, Syncer
+    from lingctl.babel.sync import Syncer, SyncOptions
     from lingctl.core.storage import parse_url
 
     (tmp_path / "src").mkdir()
@@ -224,14 +228,17 @@ def test_bwlimit_paces_a_large_object_part_by_part(tmp_path: Path) -> None:
 
 def rclone(s3_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """The rclone client with a remote "t:" configured from the environment only (no config file)."""
-    env = {**s3_env, "RCLONE_CONFIG_T_TYPE": "s3", "RCLONE_CONFIG_T_PROVIDER": "Other",
-           "RCLONE_CONFIG_T_ENDPOINT": s3_env["AWS_ENDPOINT_URL"],
-           "RCLONE_CONFIG_T_ACCESS_KEY_ID": s3_env["AWS_ACCESS_KEY_ID"],
-           "RCLONE_CONFIG_T_SECRET_ACCESS_KEY": s3_env["AWS_SECRET_ACCESS_KEY"]}
+    env = {
+        **s3_env,
+        "RCLONE_CONFIG_T_TYPE": "s3",
+        "RCLONE_CONFIG_T_PROVIDER": "Other",
+        "RCLONE_CONFIG_T_ENDPOINT": s3_env["AWS_ENDPOINT_URL"],
+        "RCLONE_CONFIG_T_ACCESS_KEY_ID": s3_env["AWS_ACCESS_KEY_ID"],
+        "RCLONE_CONFIG_T_SECRET_ACCESS_KEY": s3_env["AWS_SECRET_ACCESS_KEY"],
+    }
     exe = find_rclone()
     assert exe is not None
-    return subprocess.run([exe, "--config", os.devnull, *args], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run([exe, "--config", os.devnull, *args], capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_rclone_sees_babels_mtimes_and_finds_nothing_to_copy(capsys, src: Path, s3_env, s3_bucket: str) -> None:

@@ -31,16 +31,23 @@ def _check_shape(size: int, ranges: list[tuple[int, int]], sample_size: int) -> 
 
 
 def test_same_inputs_give_same_ranges() -> None:
-    assert sample_ranges("ckpt/step-100/model.safetensors", 100 * GiB) == \
-        sample_ranges("ckpt/step-100/model.safetensors", 100 * GiB)
+    assert sample_ranges("ckpt/step-100/model.safetensors", 100 * GiB) == sample_ranges(
+        "ckpt/step-100/model.safetensors", 100 * GiB
+    )
 
 
 def test_known_value_pins_the_seeding() -> None:
     # Recorded once. If this changes, a source and a destination running different lingctl versions
     # would read different bytes and every sampled verify between them would fail.
     ranges = sample_ranges("a", 100 * MiB, samples=6, sample_size=MiB)
-    assert [(offset // MiB, length // MiB) for offset, length in ranges] == \
-        [(0, 1), (12, 1), (39, 1), (66, 1), (95, 1), (99, 1)]
+    assert [(offset // MiB, length // MiB) for offset, length in ranges] == [
+        (0, 1),
+        (12, 1),
+        (39, 1),
+        (66, 1),
+        (95, 1),
+        (99, 1),
+    ]
 
 
 def test_different_key_or_size_gives_different_ranges() -> None:
@@ -129,8 +136,12 @@ def test_bad_parameters_are_rejected(kwargs: dict[str, int]) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(size=st.integers(0, 10**12), key=st.text(max_size=40),
-       samples=st.integers(2, 80), sample_size=st.sampled_from([1, 7, 4096, MiB]))
+@given(
+    size=st.integers(0, 10**12),
+    key=st.text(max_size=40),
+    samples=st.integers(2, 80),
+    sample_size=st.sampled_from([1, 7, 4096, MiB]),
+)
 def test_ranges_stay_in_bounds_and_disjoint(size: int, key: str, samples: int, sample_size: int) -> None:
     ranges = sample_ranges(key, size, samples=samples, sample_size=sample_size)
     _check_shape(size, ranges, sample_size)

@@ -58,7 +58,7 @@ def s3_tree(bucket: str, prefix: str = "") -> dict[str, bytes]:
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for o in page.get("Contents", []):
-            key = o["Key"][len(prefix):].lstrip("/")
+            key = o["Key"][len(prefix) :].lstrip("/")
             out[key] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
     return out
 
@@ -97,8 +97,11 @@ def test_all_directions_with_multipart_and_full_verify(lingctl, tmp_path, s3_buc
     if direction != "local->s3":
         assert babel(lingctl, "sync", str(src), staging, "--part-size", "5MiB", env=cache_env)[0].returncode == 0
     source = {"local->s3": str(src), "s3->local": staging, "s3->s3": staging}[direction]
-    dest = {"local->s3": f"s3://{s3_bucket}/copy", "s3->local": str(tmp_path / "dst"),
-            "s3->s3": f"s3://{s3_bucket}/copy2"}[direction]
+    dest = {
+        "local->s3": f"s3://{s3_bucket}/copy",
+        "s3->local": str(tmp_path / "dst"),
+        "s3->s3": f"s3://{s3_bucket}/copy2",
+    }[direction]
     res, doc = babel(lingctl, "sync", source, dest, "--part-size", "5MiB", "--verify", "full", env=cache_env)
     assert res.returncode == 0, res.stderr
     assert doc["copied"] == len(files) and doc["verified"] == len(files) and doc["failed"] == []
@@ -123,8 +126,22 @@ def test_sync_killed_midway_resumes_without_loss_or_duplicates(tmp_path, s3_buck
     files = make_tree(src, big=40 * MiB)
     dest = f"s3://{s3_bucket}/resume"
     journal = tmp_path / "state" / "journal.sqlite"
-    cmd = [sys.executable, "-m", "lingctl", "babel", "sync", str(src), dest, "--part-size", "5MiB", "--jobs", "2",
-           "--state-dir", str(tmp_path / "state"), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lingctl",
+        "babel",
+        "sync",
+        str(src),
+        dest,
+        "--part-size",
+        "5MiB",
+        "--jobs",
+        "2",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--json",
+    ]
     proc = subprocess.Popen(cmd, env=cache_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     parts_done = 0
     try:
@@ -145,8 +162,19 @@ def test_sync_killed_midway_resumes_without_loss_or_duplicates(tmp_path, s3_buck
         proc.kill()
     assert parts_done >= 2, "the sync finished before it could be interrupted"
     assert "big/model.safetensors" not in s3_tree(s3_bucket, "resume/")  # nothing half-visible
-    res, doc = babel(lingctl, "sync", str(src), dest, "--part-size", "5MiB", "--state-dir", str(tmp_path / "state"),
-                     "--verify", "full", env=cache_env)
+    res, doc = babel(
+        lingctl,
+        "sync",
+        str(src),
+        dest,
+        "--part-size",
+        "5MiB",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--verify",
+        "full",
+        env=cache_env,
+    )
     assert res.returncode == 0, res.stderr
     assert doc["resumed_parts"] >= 2
     assert s3_tree(s3_bucket, "resume/") == files
@@ -187,8 +215,19 @@ def test_503_slowdowns_are_survived_and_shrink_concurrency(lingctl, tmp_path, s3
     files = make_tree(src, big=11 * MiB)
     with FaultProxy(s3_server.endpoint, rule=every_nth(3)) as proxy:
         env = {**cache_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        res, doc = babel(lingctl, "sync", str(src), f"s3://{s3_bucket}/flaky", "--part-size", "5MiB", "--jobs", "8",
-                         "--verify", "full", env=env)
+        res, doc = babel(
+            lingctl,
+            "sync",
+            str(src),
+            f"s3://{s3_bucket}/flaky",
+            "--part-size",
+            "5MiB",
+            "--jobs",
+            "8",
+            "--verify",
+            "full",
+            env=env,
+        )
         assert res.returncode == 0, res.stderr
         assert proxy.stats["injected_503"] > 0
     assert doc["throttled"] > 0 and doc["retries"] > 0 and doc["min_concurrency"] < 8
@@ -211,8 +250,9 @@ def test_persistent_failure_exits_5_and_a_rerun_finishes(lingctl, tmp_path, s3_b
 def test_include_exclude_delete_and_max_delete(lingctl, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     make_tree(src)
-    res, doc = babel(lingctl, "sync", str(src), str(dst), "--exclude", "*.tmp", "--include", "dir/**",
-                     "--include", "*.txt")
+    res, doc = babel(
+        lingctl, "sync", str(src), str(dst), "--exclude", "*.tmp", "--include", "dir/**", "--include", "*.txt"
+    )
     assert res.returncode == 0
     assert set(read_tree(dst)) == {"a.txt", "dir/b.txt", "dir/sub/c.bin", "dir/sub/with space & plus+.txt"}
     (dst / "stale1").write_text("x")

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs
 import pytest
 
 from lingctl.babel.journal import Done, Journal
-from lingctl.babel.sync import SyncOptions, Syncer
+from lingctl.babel.sync import Syncer, SyncOptions
 from lingctl.core.atomic import TMP_MARKER, host_tag
 from lingctl.core.errors import DiskFullError
 from lingctl.core.storage import LocalStore as LocalSide
@@ -43,8 +43,12 @@ def _client():
 
 
 def _syncer(src: str, dst: str, endpoint: str, state: Path, *, attempts: int = 3, **opts) -> Syncer:
-    return Syncer(parse_url(src), parse_url(dst), S3Options(endpoint_url=endpoint, max_attempts=attempts),
-                  SyncOptions(state_dir=state, **opts))
+    return Syncer(
+        parse_url(src),
+        parse_url(dst),
+        S3Options(endpoint_url=endpoint, max_attempts=attempts),
+        SyncOptions(state_dir=state, **opts),
+    )
 
 
 def _is_upload_part(r: FaultRequest) -> bool:
@@ -93,8 +97,19 @@ def test_forgotten_upload_id_is_replaced_on_the_next_run(tmp_path, s3_bucket, s3
     client = _client()
     client.abort_multipart_upload(Bucket=s3_bucket, Key="gone/model.bin", UploadId=upload_id)
 
-    res, doc = babel(lingctl, "sync", str(src), dest, "--part-size", "5MiB", "--state-dir", str(state),
-                     "--verify", "full", env=cache_env)
+    res, doc = babel(
+        lingctl,
+        "sync",
+        str(src),
+        dest,
+        "--part-size",
+        "5MiB",
+        "--state-dir",
+        str(state),
+        "--verify",
+        "full",
+        env=cache_env,
+    )
     assert res.returncode == 0, res.stderr
     assert doc["restarts"] == 1 and doc["copied"] == 1 and doc["verified"] == 1
     assert s3_tree(s3_bucket, "gone/") == {"model.bin": data}
@@ -122,8 +137,15 @@ def test_upload_forgotten_during_the_run_restarts_in_the_same_run(tmp_path, s3_b
         return None
 
     with FaultProxy(s3_server.endpoint, rule=abort_before_complete) as proxy:
-        result = _syncer(str(src), f"s3://{s3_bucket}/live", proxy.endpoint, tmp_path / "state",
-                         part_size=5 * MiB, jobs=1, verify="full").run()
+        result = _syncer(
+            str(src),
+            f"s3://{s3_bucket}/live",
+            proxy.endpoint,
+            tmp_path / "state",
+            part_size=5 * MiB,
+            jobs=1,
+            verify="full",
+        ).run()
     assert aborted, "the rule never saw CompleteMultipartUpload"
     assert result.failed == [] and result.restarts == 1 and result.copied == 1
     assert s3_tree(s3_bucket, "live/") == {"weights.bin": data}
@@ -151,8 +173,7 @@ def _overwrite_on_later_ranges(client, bucket: str, key: str, versions: list[byt
     return rule, state
 
 
-def test_object_overwritten_during_download_gives_one_whole_version(tmp_path, s3_bucket, s3_server, cache_env,
-                                                                    lingctl):
+def test_object_overwritten_during_download_gives_one_whole_version(tmp_path, s3_bucket, s3_server, cache_env, lingctl):
     client = _client()
     a, b = os.urandom(12 * MiB + 5), os.urandom(12 * MiB + 5)  # same size: only the ETag tells them apart
     client.put_object(Bucket=s3_bucket, Key="src/ckpt.bin", Body=a)  # no lingctl checksum metadata
@@ -161,8 +182,19 @@ def test_object_overwritten_during_download_gives_one_whole_version(tmp_path, s3
     dst = tmp_path / "dst"
     with FaultProxy(s3_server.endpoint, rule=rule) as proxy:
         env = {**cache_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        res, doc = babel(lingctl, "sync", f"s3://{s3_bucket}/src", str(dst), "--part-size", "5MiB", "--jobs", "1",
-                         "--verify", "full", env=env)
+        res, doc = babel(
+            lingctl,
+            "sync",
+            f"s3://{s3_bucket}/src",
+            str(dst),
+            "--part-size",
+            "5MiB",
+            "--jobs",
+            "1",
+            "--verify",
+            "full",
+            env=env,
+        )
     assert state["n"] == 1, "the object was not overwritten during the copy"
     assert res.returncode == 0, res.stderr
     assert doc["restarts"] == 1 and doc["verified"] == 2 and doc["failed"] == []
@@ -181,8 +213,9 @@ def test_source_that_keeps_changing_fails_retryably_and_writes_nothing(tmp_path,
     rule, state = _overwrite_on_later_ranges(client, s3_bucket, "busy/log.bin", [b, a], times=100)
     dst = tmp_path / "dst"
     with FaultProxy(s3_server.endpoint, rule=rule) as proxy:
-        result = _syncer(f"s3://{s3_bucket}/busy", str(dst), proxy.endpoint, tmp_path / "state",
-                         part_size=5 * MiB, jobs=1).run()
+        result = _syncer(
+            f"s3://{s3_bucket}/busy", str(dst), proxy.endpoint, tmp_path / "state", part_size=5 * MiB, jobs=1
+        ).run()
     assert state["n"] >= 3 and result.restarts == 2 and result.copied == 0  # a part in flight may see more
     (failed,) = result.failed
     assert failed["kind"] == "retryable" and "changed during each of 3 attempts" in failed["error"]
@@ -209,8 +242,7 @@ def test_local_pinned_read_notices_a_changed_file(tmp_path):
 # -- temporary files of a killed run -----------------------------------------------------------------------
 
 
-def test_temp_file_of_a_killed_download_is_removed_by_the_next_run(tmp_path, s3_bucket, s3_server, cache_env,
-                                                                    lingctl):
+def test_temp_file_of_a_killed_download_is_removed_by_the_next_run(tmp_path, s3_bucket, s3_server, cache_env, lingctl):
     client = _client()
     data = os.urandom(11 * MiB)
     client.put_object(Bucket=s3_bucket, Key="k/big.bin", Body=data)
@@ -228,12 +260,26 @@ def test_temp_file_of_a_killed_download_is_removed_by_the_next_run(tmp_path, s3_
     user_file.write_text("keep me")
     with FaultProxy(s3_server.endpoint, rule=hold_later_parts) as proxy:
         env = {**cache_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        cmd = [sys.executable, "-m", "lingctl", "babel", "copy", f"s3://{s3_bucket}/k", str(dst), "--part-size",
-               "5MiB", "--jobs", "1", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lingctl",
+            "babel",
+            "copy",
+            f"s3://{s3_bucket}/k",
+            str(dst),
+            "--part-size",
+            "5MiB",
+            "--jobs",
+            "1",
+            "--json",
+        ]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_for(lambda: [p for p in _temp_files(dst) if p != user_file] or proc.poll() is not None,
-                      what="the download's temporary file")
+            _wait_for(
+                lambda: [p for p in _temp_files(dst) if p != user_file] or proc.poll() is not None,
+                what="the download's temporary file",
+            )
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
         finally:
@@ -312,8 +358,9 @@ def test_journal_tells_a_run_that_an_earlier_one_did_not_end(tmp_path):
     assert journal.begin_run() is False  # a fresh journal: nothing to clean up
     journal.end_run()
     journal.close()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     with sqlite3.connect(path) as db:  # what a run killed with -9 leaves
         db.execute("INSERT INTO state VALUES (?, ?)", (f"run:{host_tag()}:{int(dead.stdout)}", repr(time.time())))
     journal = Journal(path)
@@ -326,8 +373,7 @@ def test_journal_tells_a_run_that_an_earlier_one_did_not_end(tmp_path):
 # -- a body damaged on its way to the server ----------------------------------------------------------------
 
 
-def test_a_put_body_damaged_in_transit_is_refused_by_the_server_and_sent_again(tmp_path, s3_bucket, s3_server,
-                                                                            s3_env):
+def test_a_put_body_damaged_in_transit_is_refused_by_the_server_and_sent_again(tmp_path, s3_bucket, s3_server, s3_env):
     """Sampled verification of an object sent in one PUT is the server's check of its Content-MD5: a body
     that arrives with one byte changed is refused (400 BadDigest), sent again, and stored intact; with
     ``--verify none`` no digest is sent and the damaged body would be stored."""
@@ -350,8 +396,9 @@ def test_a_put_body_damaged_in_transit_is_refused_by_the_server_and_sent_again(t
     assert s3_tree(s3_bucket, "md5/") == {"a.bin": data}
     flipped.clear()
     with FaultProxy(s3_server.endpoint, rule=flip_first_put) as proxy:
-        result = _syncer(str(src), f"s3://{s3_bucket}/nocheck", proxy.endpoint, tmp_path / "state2",
-                         verify="none").run()
+        result = _syncer(
+            str(src), f"s3://{s3_bucket}/nocheck", proxy.endpoint, tmp_path / "state2", verify="none"
+        ).run()
     assert result.failed == [] and result.retries == 0
     assert s3_tree(s3_bucket, "nocheck/")["a.bin"] != data  # what --verify none risks
 
@@ -380,8 +427,9 @@ def test_a_part_damaged_in_transit_is_refused_and_no_part_is_read_back(tmp_path,
         return flip_second_part(r)
 
     with FaultProxy(s3_server.endpoint, rule=rule) as proxy:
-        result = _syncer(str(src), f"s3://{s3_bucket}/parts-md5", proxy.endpoint, tmp_path / "state",
-                         part_size=5 * MiB).run()
+        result = _syncer(
+            str(src), f"s3://{s3_bucket}/parts-md5", proxy.endpoint, tmp_path / "state", part_size=5 * MiB
+        ).run()
         assert proxy.stats["injected_flip"] == 1
     assert result.failed == [] and result.copied == 1 and result.retries == 1 and result.verified == 1
     assert gets == []

@@ -11,7 +11,20 @@ def small_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> Pa
     from tests.conftest import run_lingctl
 
     run = tmp_path_factory.mktemp("small") / "run"
-    res = run_lingctl("train", "--preset", "tiny", "--eval-every", "0", "--steps", "2", "--save-every", "2",
-                      "--data", str(text_corpus), "--out", str(run))
+    res = run_lingctl(
+        "train",
+        "--preset",
+        "tiny",
+        "--eval-every",
+        "0",
+        "--steps",
+        "2",
+        "--save-every",
+        "2",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(run),
+    )
     assert res.returncode == 0, res.stderr
     return run

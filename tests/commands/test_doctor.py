@@ -74,8 +74,17 @@ def test_unreachable_endpoint_exits_5(lingctl, s3_env) -> None:
     assert "could not reach S3 endpoint" in one_line_error(r.stderr)
 
 
-@pytest.mark.parametrize("args", [["--probe", "s3://"], ["--probe", "ftp://x/y"], ["--endpoint-url", "not-a-url"],
-                                  ["--probe-size", "lots"], ["--probe-size", "2GiB"], ["--retries", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--probe", "s3://"],
+        ["--probe", "ftp://x/y"],
+        ["--endpoint-url", "not-a-url"],
+        ["--probe-size", "lots"],
+        ["--probe-size", "2GiB"],
+        ["--retries", "0"],
+    ],
+)
 def test_bad_input_exits_2(lingctl, s3_env, args) -> None:
     r = lingctl("doctor", *args, env=s3_env)
     assert r.returncode == 2
@@ -106,8 +115,17 @@ def test_probe_below_a_file_is_a_one_line_error(lingctl, tmp_path) -> None:
 
 def test_endpoint_password_is_not_in_the_report_or_the_error(lingctl, s3_env, s3_server, s3_bucket) -> None:
     with_password = s3_server.endpoint.replace("http://", "http://admin:hunter2@")
-    r = lingctl("doctor", "--json", "--endpoint-url", with_password, "--probe", f"s3://{s3_bucket}/p",
-                "--probe-size", "4KiB", env=s3_env)
+    r = lingctl(
+        "doctor",
+        "--json",
+        "--endpoint-url",
+        with_password,
+        "--probe",
+        f"s3://{s3_bucket}/p",
+        "--probe-size",
+        "4KiB",
+        env=s3_env,
+    )
     assert r.returncode == 0, r.stderr
     assert "hunter2" not in r.stdout + r.stderr and "admin" not in r.stdout
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
@@ -120,8 +138,9 @@ def test_library_check_redacts_an_endpoint_it_is_given(s3_env) -> None:
     from lingctl.core.doctor import check_s3_endpoint
     from lingctl.core.storage import S3Options
 
-    check = check_s3_endpoint(S3Options(endpoint_url=f"http://admin:hunter2@127.0.0.1:{free_port()}",
-                                        max_attempts=1, connect_timeout=2))
+    check = check_s3_endpoint(
+        S3Options(endpoint_url=f"http://admin:hunter2@127.0.0.1:{free_port()}", max_attempts=1, connect_timeout=2)
+    )
     assert check.status == "fail" and check.error is not None and check.error.exit_code == 5
     # The user info is dropped before any request or message is built from the endpoint.
     assert "could not reach S3 endpoint http://127.0.0.1:" in check.detail

@@ -26,13 +26,23 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def greedy(cid: str, ids: list[int], n: int) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0},
+    }
 
 
 def test_output_is_openai_batch_format_in_completion_order(lingctl, tiny_ckpt, tmp_path):
-    batch = write_batch(tmp_path / "b.jsonl", [greedy("long", [5, 6, 7], 40), greedy("short", [8, 9], 1),
-                                               {"custom_id": "plain", "prompt": [3, 4, 5], "max_tokens": 5}])
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            greedy("long", [5, 6, 7], 40),
+            greedy("short", [8, 9], 1),
+            {"custom_id": "plain", "prompt": [3, 4, 5], "max_tokens": 5},
+        ],
+    )
     res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "--max-seqs", "8", "--json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
@@ -55,12 +65,28 @@ def test_output_is_openai_batch_format_in_completion_order(lingctl, tiny_ckpt, t
 
 
 def test_malformed_lines_go_to_the_errors_file_and_the_rest_run(lingctl, tiny_ckpt, tmp_path):
-    batch = write_batch(tmp_path / "b.jsonl", [
-        greedy("ok1", [5, 6], 2), "{not json", {"custom_id": "neg", "prompt": [1], "max_tokens": -1},
-        greedy("ok1", [5], 2), {"custom_id": "bigid", "prompt": [5, 5000], "max_tokens": 2},
-        {"custom_id": "ok2", "prompt": [7], "max_tokens": 2, "temperature": 0}])
-    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "o.jsonl"),
-                  "--errors", str(tmp_path / "e.jsonl"))
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            greedy("ok1", [5, 6], 2),
+            "{not json",
+            {"custom_id": "neg", "prompt": [1], "max_tokens": -1},
+            greedy("ok1", [5], 2),
+            {"custom_id": "bigid", "prompt": [5, 5000], "max_tokens": 2},
+            {"custom_id": "ok2", "prompt": [7], "max_tokens": 2, "temperature": 0},
+        ],
+    )
+    res = lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(tiny_ckpt),
+        "-o",
+        str(tmp_path / "o.jsonl"),
+        "--errors",
+        str(tmp_path / "e.jsonl"),
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(r["custom_id"] for r in read_jsonl(tmp_path / "o.jsonl")) == ["ok1", "ok2"]
     errors = {(e["error"]["line"], e["custom_id"], e["error"]["code"]) for e in read_jsonl(tmp_path / "e.jsonl")}
@@ -81,13 +107,29 @@ def _token_ids(path: Path) -> dict[str, list[int]]:
 
 def test_resume_after_sigkill_loses_and_duplicates_nothing(lingctl, tiny_ckpt, tmp_path):
     batch = _long_batch(tmp_path / "b.jsonl")
-    reference = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "ref.jsonl"),
-                        "--max-seqs", "3")
+    reference = lingctl(
+        "flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "ref.jsonl"), "--max-seqs", "3"
+    )
     assert reference.returncode == 0, reference.stderr
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(tiny_ckpt),
-                             "-o", str(out), "--max-seqs", "3"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lingctl",
+            "flood",
+            "run",
+            str(batch),
+            "--model",
+            str(tiny_ckpt),
+            "-o",
+            str(out),
+            "--max-seqs",
+            "3",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 4):
         time.sleep(0.02)
@@ -98,8 +140,9 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(lingctl, tiny_ckpt, t
     assert 4 <= done_before < 24
     with open(out, "ab") as f:  # as if the kill had torn a line in half
         f.write(b'{"id": "batch_req_x", "custom_id": "r2')
-    res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(out), "--resume", "--json",
-                  "--max-seqs", "3")
+    res = lingctl(
+        "flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(out), "--resume", "--json", "--max-seqs", "3"
+    )
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     assert summary["already_done"] == done_before
@@ -113,9 +156,25 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(lingctl, tiny_ckpt, t
 def test_sigterm_stops_cleanly_and_resume_finishes(lingctl, tiny_ckpt, tmp_path):
     batch = _long_batch(tmp_path / "b.jsonl", 12)
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(tiny_ckpt),
-                             "-o", str(out), "--max-seqs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lingctl",
+            "flood",
+            "run",
+            str(batch),
+            "--model",
+            str(tiny_ckpt),
+            "-o",
+            str(out),
+            "--max-seqs",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 2):
         time.sleep(0.02)
@@ -144,11 +203,18 @@ def test_resume_refuses_another_model(lingctl, tiny_ckpt, text_ckpt, tmp_path):
 
 
 def test_text_chat_and_stop_strings(lingctl, text_ckpt, tmp_path):
-    batch = write_batch(tmp_path / "b.jsonl", [
-        {"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12, "temperature": 0},
-        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 6, "temperature": 0}},
-    ])
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12, "temperature": 0},
+            {
+                "custom_id": "chat",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 6, "temperature": 0},
+            },
+        ],
+    )
     res = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--json")
     assert res.returncode == 0, res.stderr
     out = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "b.output.jsonl")}
@@ -158,15 +224,17 @@ def test_text_chat_and_stop_strings(lingctl, text_ckpt, tmp_path):
     text = out["text"]["choices"][0]["text"]
     assert len(text) > 0
     # Stop at a string the unconstrained output contains: the text ends just before it.
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip()
-    batch2 = write_batch(tmp_path / "c.jsonl", [{"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12,
-                                                 "temperature": 0, "stop": [stop]}])
+    batch2 = write_batch(
+        tmp_path / "c.jsonl",
+        [{"custom_id": "text", "prompt": "the quick brown", "max_tokens": 12, "temperature": 0, "stop": [stop]}],
+    )
     res2 = lingctl("flood", "run", str(batch2), "--model", str(text_ckpt))
     assert res2.returncode == 0, res2.stderr
     choice = read_jsonl(tmp_path / "c.output.jsonl")[0]["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "stop"
-    assert choice["text"] == text[:text.find(stop)]
+    assert choice["text"] == text[: text.find(stop)]
 
 
 def test_chat_without_a_template_is_a_per_request_error(lingctl, text_ckpt, tmp_path):
@@ -175,9 +243,13 @@ def test_chat_without_a_template_is_a_per_request_error(lingctl, text_ckpt, tmp_
     for f in text_ckpt.iterdir():
         if f.name != "tokenizer_config.json":
             (bare / f.name).symlink_to(f)
-    batch = write_batch(tmp_path / "b.jsonl", [
-        {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}]},
-        {"custom_id": "text", "prompt": "the", "max_tokens": 2}])
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+            {"custom_id": "text", "prompt": "the", "max_tokens": 2},
+        ],
+    )
     res = lingctl("flood", "run", str(batch), "--model", str(bare))
     assert res.returncode == 0, res.stderr
     errors = read_jsonl(tmp_path / "b.errors.jsonl")
@@ -229,16 +301,37 @@ def test_dry_run_plans_ling_lite_from_its_config_alone(lingctl, tmp_path):
     batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5] * 100, 200) for i in range(8)])
     bf16 = lingctl("flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--dry-run")
     assert bf16.returncode == 1 and "quantize int8" in bf16.stderr and "Traceback" not in bf16.stderr
-    int8 = lingctl("flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--quantize", "int8",
-                   "--dry-run", "--json")
+    int8 = lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(model),
+        "--dtype",
+        "bfloat16",
+        "--quantize",
+        "int8",
+        "--dry-run",
+        "--json",
+    )
     assert int8.returncode == 0, int8.stderr
     plan = json.loads(int8.stdout)["plan"]
     assert 16.5e9 < plan["params"] < 17.1e9
     assert plan["weights_bytes"] < 18e9
     assert plan["kv_tokens"] >= 8 * 300 - 7 * 96  # the batch fits (the shared 96-token prefix counted once)
     assert not (tmp_path / "b.output.jsonl").exists()  # a dry run writes nothing
-    huge = lingctl("flood", "run", str(batch), "--model", str(model), "--quantize", "int8", "--dry-run",
-                   "--kv-cache-tokens", "100000000")
+    huge = lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(model),
+        "--quantize",
+        "int8",
+        "--dry-run",
+        "--kv-cache-tokens",
+        "100000000",
+    )
     assert huge.returncode == 1 and "--kv-cache-tokens" in huge.stderr
 
 
@@ -246,8 +339,18 @@ def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
     batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5 + i] * (3 + 7 * i), 10) for i in range(6)])
     one = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "one.jsonl"))
     assert one.returncode == 0, one.stderr
-    two = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "two.jsonl"),
-                  "--stages", "2", env={**os.environ, "LINGCTL_DEBUG": "1"})
+    two = lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(tiny_ckpt),
+        "-o",
+        str(tmp_path / "two.jsonl"),
+        "--stages",
+        "2",
+        env={**os.environ, "LINGCTL_DEBUG": "1"},
+    )
     assert two.returncode == 0, two.stderr
     assert _token_ids(tmp_path / "one.jsonl") == _token_ids(tmp_path / "two.jsonl")
 
@@ -256,15 +359,18 @@ def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(ling
     """A lone surrogate (valid JSON "\\ud800") in a prompt or a custom_id, and a temperature or top_p too small
     to compute with, each get their error line; the other requests are answered, the exit code is 0 (failures
     one by one are counted, not fatal), and --resume over those files continues."""
-    batch = write_batch(tmp_path / "b.jsonl", [
-        {"custom_id": "ok", "prompt": "the quick brown", "max_tokens": 3, "temperature": 0},
-        {"custom_id": "chat", "messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 3},
-        {"custom_id": "sur-prompt", "prompt": "the \ud800 quick", "max_tokens": 3},
-        {"custom_id": "s\ud800", "prompt": "the", "max_tokens": 3},
-        {"custom_id": "cold", "prompt": "the", "temperature": 5e-324},
-        {"custom_id": "narrow", "prompt": "the", "top_p": 1e-100},
-        {"custom_id": "sampled", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9},
-    ])
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "ok", "prompt": "the quick brown", "max_tokens": 3, "temperature": 0},
+            {"custom_id": "chat", "messages": [{"role": "user", "content": "the lazy dog"}], "max_tokens": 3},
+            {"custom_id": "sur-prompt", "prompt": "the \ud800 quick", "max_tokens": 3},
+            {"custom_id": "s\ud800", "prompt": "the", "max_tokens": 3},
+            {"custom_id": "cold", "prompt": "the", "temperature": 5e-324},
+            {"custom_id": "narrow", "prompt": "the", "top_p": 1e-100},
+            {"custom_id": "sampled", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9},
+        ],
+    )
     assert "\\ud800" in batch.read_text()  # json.dumps wrote the surrogates as escapes: valid JSON, valid UTF-8
     res = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--json")
     assert res.returncode == 0, res.stderr
@@ -296,8 +402,17 @@ def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(ling
     assert [r["custom_id"] for r in read_jsonl(out_path)][-1] == "late"
 
     # A template file that is not there is one line (a different template on resume: tests/flood/test_run.py).
-    missing = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "-o", str(tmp_path / "n.jsonl"),
-                      "--chat-template", str(tmp_path / "nonexist"))
+    missing = lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(text_ckpt),
+        "-o",
+        str(tmp_path / "n.jsonl"),
+        "--chat-template",
+        str(tmp_path / "nonexist"),
+    )
     assert missing.returncode == 3 and "nonexist: no such file or directory" in missing.stderr
     assert "Traceback" not in missing.stderr and missing.stderr.startswith("lingctl: error: ")
     assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "n.jsonl").exists()

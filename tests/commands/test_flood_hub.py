@@ -27,8 +27,12 @@ def hub_env(tmp_path: Path, tiny_ckpt: Path) -> tuple[dict[str, str], Path]:
 def test_flood_run_serves_a_cached_hub_id_offline(lingctl, hub_env, tmp_path):
     env, snapshot = hub_env
     batch = tmp_path / "b.jsonl"
-    batch.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": [5 + i, 6, 7], "max_tokens": 3,
-                                         "temperature": 0}) + "\n" for i in range(2)))
+    batch.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": [5 + i, 6, 7], "max_tokens": 3, "temperature": 0}) + "\n"
+            for i in range(2)
+        )
+    )
     res = lingctl("flood", "run", str(batch), "--model", "org/tiny-ling", "--json", env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["succeeded"] == 2
@@ -44,8 +48,19 @@ def test_flood_run_serves_a_cached_hub_id_offline(lingctl, hub_env, tmp_path):
 
 def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(lingctl, hub_env, tiny_ckpt, tmp_path):
     env, _ = hub_env
-    res = lingctl("pcache", "plan", "--nodes", "1", "--ranks-per-node", "2", "--model", "org/tiny-ling", "--json",
-                  env=env, cwd=tmp_path)
+    res = lingctl(
+        "pcache",
+        "plan",
+        "--nodes",
+        "1",
+        "--ranks-per-node",
+        "2",
+        "--model",
+        "org/tiny-ling",
+        "--json",
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     model = json.loads(res.stdout)["model"]
     _, header = read_header(tiny_ckpt / "model.safetensors")
@@ -53,8 +68,9 @@ def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(lingctl, hub_
     assert model["tensors"] == len([name for name in header if name != "__metadata__"])
     assert model["layers"] == 2
 
-    res = lingctl("pcache", "plan", "--nodes", "1", "--ranks-per-node", "2", "--model", "org/not-cached@v2",
-                  env=env, cwd=tmp_path)
+    res = lingctl(
+        "pcache", "plan", "--nodes", "1", "--ranks-per-node", "2", "--model", "org/not-cached@v2", env=env, cwd=tmp_path
+    )
     assert res.returncode == EXIT_NOT_FOUND and res.stdout == ""
     assert "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.splitlines()

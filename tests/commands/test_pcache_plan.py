@@ -27,16 +27,41 @@ def plan_json(*args: str) -> dict:
 
 def test_json_schema():
     data = plan_json("--optimizer", "sgd")
-    assert set(data) == {"model", "optimizer", "dtype", "parallelism", "topology", "chunk_bytes", "buffer_bytes",
-                         "items", "chunks", "total_bytes", "plan_seconds", "strategies", "ranks", "write_items"}
+    assert set(data) == {
+        "model",
+        "optimizer",
+        "dtype",
+        "parallelism",
+        "topology",
+        "chunk_bytes",
+        "buffer_bytes",
+        "items",
+        "chunks",
+        "total_bytes",
+        "plan_seconds",
+        "strategies",
+        "ranks",
+        "write_items",
+    }
     assert data["write_items"] is None and isinstance(data["plan_seconds"], float)
-    assert data["parallelism"] == {"tp": 1, "pp": 1, "dp": 4, "ep": 1, "order": "tp-ep-dp-pp",
-                                   "shard_optimizer": False}
+    assert data["parallelism"] == {"tp": 1, "pp": 1, "dp": 4, "ep": 1, "order": "tp-ep-dp-pp", "shard_optimizer": False}
     assert data["topology"] == {"rank_nodes": [0, 0, 1, 1], "node_gbps": [2.0, 2.0]}
     assert [s["name"] for s in data["strategies"]] == ["rank0", "dcp", "lingctl", "bound"]
     for s in data["strategies"]:
-        assert set(s) == {"name", "label", "writes", "total_bytes", "rank_bytes_max", "rank_bytes_mean",
-                          "node_bytes", "node_ratio", "seconds", "vs_bound", "staging_bytes", "staging_async_bytes"}
+        assert set(s) == {
+            "name",
+            "label",
+            "writes",
+            "total_bytes",
+            "rank_bytes_max",
+            "rank_bytes_mean",
+            "node_bytes",
+            "node_ratio",
+            "seconds",
+            "vs_bound",
+            "staging_bytes",
+            "staging_async_bytes",
+        }
         assert s["total_bytes"] == data["total_bytes"]
     rank = data["ranks"][1]
     assert set(rank) == {"rank", "node", "held_bytes", "bytes", "writes", "staging"}
@@ -61,8 +86,9 @@ def test_human_table():
 
 def test_config_file_and_flags_over_it(tmp_path):
     config = tmp_path / "plan.toml"
-    config.write_text('[pcache]\nmodel = "tiny"\nrank_map = [0, 0, 1, 1]\nnode_bandwidth = [1, 3]\n'
-                      'tp = 2\nshard_optimizer = true\n')
+    config.write_text(
+        '[pcache]\nmodel = "tiny"\nrank_map = [0, 0, 1, 1]\nnode_bandwidth = [1, 3]\ntp = 2\nshard_optimizer = true\n'
+    )
     data = json.loads(invoke("plan", "--config", str(config), "--json", "--tp", "1").stdout)
     assert data["model"]["source"] == "tiny"
     assert data["parallelism"]["tp"] == 1 and data["parallelism"]["dp"] == 4
@@ -73,20 +99,23 @@ def test_config_file_and_flags_over_it(tmp_path):
     assert isinstance(result.exception, UsageError) and "modle" in str(result.exception)
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--tp", "2", "--dp", "4"], ["4 ranks", "tp 2 x pp 1 x dp 4 = 8"]),
-    (["--ep", "3"], ["ep 3", "dp 4"]),
-    (["--pp", "4", "--model", "tiny"], ["pp 4", "2 layers"]),
-    (["--tp", "3", "--ranks-per-node", "3"], ["tp 3", "8 attention heads"]),
-    (["--model", "ling-max"], ["'ling-max'"]),
-    (["--model", "/no/such/dir"], ["/no/such/dir"]),
-    (["--node-bandwidth", "1,2,3"], ["3 bandwidth value(s) for 2 node(s)"]),
-    (["--node-bandwidth", "1,fast"], ["'fast'"]),
-    (["--rank-map", "0,0,1"], ["3 ranks", "2 nodes x 2 ranks per node = 4"]),
-    (["--optimizer", "lion"], ["'lion'"]),
-    (["--chunk-mb", "0"], ["chunk-mb", "0"]),
-    (["--order", "tp-dp"], ["'tp-dp'"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--tp", "2", "--dp", "4"], ["4 ranks", "tp 2 x pp 1 x dp 4 = 8"]),
+        (["--ep", "3"], ["ep 3", "dp 4"]),
+        (["--pp", "4", "--model", "tiny"], ["pp 4", "2 layers"]),
+        (["--tp", "3", "--ranks-per-node", "3"], ["tp 3", "8 attention heads"]),
+        (["--model", "ling-max"], ["'ling-max'"]),
+        (["--model", "/no/such/dir"], ["/no/such/dir"]),
+        (["--node-bandwidth", "1,2,3"], ["3 bandwidth value(s) for 2 node(s)"]),
+        (["--node-bandwidth", "1,fast"], ["'fast'"]),
+        (["--rank-map", "0,0,1"], ["3 ranks", "2 nodes x 2 ranks per node = 4"]),
+        (["--optimizer", "lion"], ["'lion'"]),
+        (["--chunk-mb", "0"], ["chunk-mb", "0"]),
+        (["--order", "tp-dp"], ["'tp-dp'"]),
+    ],
+)
 def test_usage_errors_name_the_values(args, words):
     result = invoke(*BASE, *args)
     assert isinstance(result.exception, UsageError), result.output

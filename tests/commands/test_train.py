@@ -69,9 +69,25 @@ def test_kill_and_resume_reproduces_the_uninterrupted_loss_sequence(lingctl, tmp
 
 def test_sigterm_finishes_the_step_saves_and_exits_130(tmp_path, text_corpus):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "lingctl", *TINY, "--steps", "100000", "--save-every", "0",
-                             "--data", str(text_corpus), "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lingctl",
+            *TINY,
+            "--steps",
+            "100000",
+            "--save-every",
+            "0",
+            "--data",
+            str(text_corpus),
+            "--out",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -120,8 +136,20 @@ def test_bad_data_and_bad_preset_are_one_line_errors(lingctl, tmp_path):
 
 
 def test_bfloat16_autocast_with_grouped_dispatch_trains(lingctl, tmp_path, text_corpus):
-    res = lingctl(*TINY, "--steps", "3", "--dtype", "bfloat16", "--dispatch", "grouped",
-                  "--data", str(text_corpus), "--out", str(tmp_path / "run"), "--json")
+    res = lingctl(
+        *TINY,
+        "--steps",
+        "3",
+        "--dtype",
+        "bfloat16",
+        "--dispatch",
+        "grouped",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(tmp_path / "run"),
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     losses = [r["loss"] for r in records(res.stdout) if r["event"] == "step"]
     assert len(losses) == 3 and all(5.0 < x < 9.0 for x in losses)
@@ -135,10 +163,17 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
     assert first.returncode == 0, first.stderr
     client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="runs/a/")["Contents"]}
-    for name in ("latest.json", "metrics.jsonl", "tokenizer.json", "checkpoints/step-00000008/config.json",
-                 "checkpoints/step-00000008/model.safetensors", "checkpoints/step-00000008/train_config.json",
-                 "checkpoints/step-00000008/state/pcache.json", "checkpoints/step-00000008/state/.metadata",
-                 "checkpoints/step-00000008/state/__0_0.distcp"):
+    for name in (
+        "latest.json",
+        "metrics.jsonl",
+        "tokenizer.json",
+        "checkpoints/step-00000008/config.json",
+        "checkpoints/step-00000008/model.safetensors",
+        "checkpoints/step-00000008/train_config.json",
+        "checkpoints/step-00000008/state/pcache.json",
+        "checkpoints/step-00000008/state/.metadata",
+        "checkpoints/step-00000008/state/__0_0.distcp",
+    ):
         assert f"runs/a/{name}" in keys
     # The checkpoint was written to the flash tier first; the store's copy verifies against its marker.
     assert list((tmp_path / "flash").glob("*/checkpoints/step-00000008/state/pcache.json"))
@@ -158,8 +193,13 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
     assert [json.loads(x)["step"] for x in body.splitlines() if '"event": "step"' in x] == list(range(1, 11))
     # The store's manifest lists what the run wrote there; pruning (keep 2) removed step 4 through it.
     manifest = json.loads(client.get_object(Bucket=s3_bucket, Key="runs/a/lingctl-run.json")["Body"].read())
-    assert set(manifest["entries"]) == {"latest.json", "metrics.jsonl", "tokenizer.json",
-                                        "checkpoints/step-00000008", "checkpoints/step-00000010"}
+    assert set(manifest["entries"]) == {
+        "latest.json",
+        "metrics.jsonl",
+        "tokenizer.json",
+        "checkpoints/step-00000008",
+        "checkpoints/step-00000010",
+    }
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="runs/a/")["Contents"]}
     assert not any(k.startswith("runs/a/checkpoints/step-00000004/") for k in keys)
     assert any(k.startswith("runs/a/checkpoints/step-00000010/") for k in keys)

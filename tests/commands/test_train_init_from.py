@@ -21,11 +21,26 @@ from tests.support.hf_cache import cache_repo
 
 REPO_ID = "example-org/ling-tiny"
 # A template of the source's own, different from lingctl's: the run's checkpoints must carry it.
-SOURCE_TEMPLATE = ("{% for m in messages %}{% if loop.index0 > 4 %}{% break %}{% endif %}"
-                   "<role>{{ m['role'] | upper }}</role>{{ m['content'] }}{% endfor %}"
-                   "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}")
-COMMON = ("--steps", "2", "--save-every", "2", "--eval-every", "0", "--seq-len", "32", "--batch-size", "2",
-          "--lr", "1e-9", "--json")
+SOURCE_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 4 %}{% break %}{% endif %}"
+    "<role>{{ m['role'] | upper }}</role>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
+)
+COMMON = (
+    "--steps",
+    "2",
+    "--save-every",
+    "2",
+    "--eval-every",
+    "0",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "2",
+    "--lr",
+    "1e-9",
+    "--json",
+)
 
 
 def _source(root: Path, corpus: Path) -> tuple[Path, LingForCausalLM]:
@@ -56,8 +71,20 @@ def started(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> dict
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     run = root / "run"
-    res = run_lingctl("train", "--init-from", REPO_ID, "--data", str(text_corpus), "--max-shard-size", "100KB",
-                      "--out", str(run), *COMMON, env=env, timeout=300)
+    res = run_lingctl(
+        "train",
+        "--init-from",
+        REPO_ID,
+        "--data",
+        str(text_corpus),
+        "--max-shard-size",
+        "100KB",
+        "--out",
+        str(run),
+        *COMMON,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     done = [json.loads(line) for line in res.stdout.splitlines()][-1]
     return {"root": root, "src": src, "model": model, "run": run, "done": done, "env": env, "corpus": text_corpus}
@@ -87,20 +114,36 @@ def test_flood_answers_chat_on_the_runs_checkpoint_and_resume_keeps_the_shape(st
     run, env = started["run"], started["env"]
     ckpt = run / started["done"]["checkpoint"]
     batch = started["root"] / "chat.jsonl"
-    batch.write_text("".join(json.dumps({"custom_id": f"c{i}", "messages": [{"role": "user", "content": q}],
-                                         "max_tokens": 4}) + "\n"
-                             for i, q in enumerate(["def main():", "import json"])))
+    batch.write_text(
+        "".join(
+            json.dumps({"custom_id": f"c{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 4}) + "\n"
+            for i, q in enumerate(["def main():", "import json"])
+        )
+    )
     out = started["root"] / "chat.out.jsonl"
-    res = run_lingctl("flood", "run", str(batch), "--model", str(ckpt), "--out", str(out), "--threads", "1",
-                      env=env, timeout=300)
+    res = run_lingctl(
+        "flood", "run", str(batch), "--model", str(ckpt), "--out", str(out), "--threads", "1", env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     answers = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(a["custom_id"] for a in answers) == ["c0", "c1"]
     assert all(a.get("error") is None for a in answers), answers
     # Resuming needs only the run: the model shape comes from its own checkpoint.
-    res = run_lingctl("train", "--resume", "--out", str(run), "--steps", "3", "--save-every", "3", "--json",
-                      "--data", str(started["corpus"]), env={**env, "HF_HOME": str(started["root"] / "empty")},
-                      timeout=300)
+    res = run_lingctl(
+        "train",
+        "--resume",
+        "--out",
+        str(run),
+        "--steps",
+        "3",
+        "--save-every",
+        "3",
+        "--json",
+        "--data",
+        str(started["corpus"]),
+        env={**env, "HF_HOME": str(started["root"] / "empty")},
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     done = [json.loads(line) for line in res.stdout.splitlines()][-1]
     assert done["steps"] == 3 and done["resumed_from"] == 2
@@ -113,7 +156,14 @@ def test_shape_mismatches_are_one_line_errors(started: dict, tmp_path: Path) -> 
     with pytest.raises(UsageError, match=r"--preset small has hidden_size=256 but the checkpoint .* has 64"):
         train(out=str(tmp_path / "a"), resume=False, overrides={"init_from": src, "preset": "small"})
     with pytest.raises(UsageError, match=r"model.num_hidden_layers=3 does not match the checkpoint .* has 2"):
-        train(out=str(tmp_path / "b"), resume=False,
-              overrides={"init_from": src, "model.num_hidden_layers": 3, "data.paths": [str(started["corpus"])],
-                         "seq_len": 32})
+        train(
+            out=str(tmp_path / "b"),
+            resume=False,
+            overrides={
+                "init_from": src,
+                "model.num_hidden_layers": 3,
+                "data.paths": [str(started["corpus"])],
+                "seq_len": 32,
+            },
+        )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -71,15 +71,26 @@ def test_out_on_a_users_directory_is_refused_and_every_file_stays_byte_identical
 
 
 def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_legacy_resume(
-        lingctl, tmp_path, text_corpus):
+    lingctl, tmp_path, text_corpus
+):
     user = tmp_path / "userdir"
     (user / "checkpoints" / "step-00000100").mkdir(parents=True)
     (user / "checkpoints" / "step-00000100" / "model.safetensors").write_bytes(os.urandom(4096))
     (user / "checkpoints" / "README.md").write_text("downloaded from somewhere")
     (user / "notes.txt").write_text("mine")
     mine = snapshot(user)
-    common = (*TINY, "--save-every", "2", "--set", "keep_checkpoints=1", "--data", str(text_corpus),
-              "--out", str(user), "--json")
+    common = (
+        *TINY,
+        "--save-every",
+        "2",
+        "--set",
+        "keep_checkpoints=1",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(user),
+        "--json",
+    )
 
     def checkpoints() -> set[str]:
         return {p.name for p in (user / "checkpoints").iterdir() if p.is_dir()}
@@ -112,13 +123,23 @@ def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_
     assert manifest_entries(user) == {"metrics.jsonl", "latest.json", "checkpoints/step-00000008"}
 
 
-def test_s3_prefix_holding_other_objects_is_refused_and_left_alone(capsys, monkeypatch, tmp_path, text_corpus,
-                                                                    s3_bucket, s3_env):
+def test_s3_prefix_holding_other_objects_is_refused_and_left_alone(
+    capsys, monkeypatch, tmp_path, text_corpus, s3_bucket, s3_env
+):
     client = make_client(S3Options(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))
     client.put_object(Bucket=s3_bucket, Key="runs/x/checkpoints/step-00000002/model.safetensors", Body=b"mine")
     monkeypatch.setenv("LINGCTL_CACHE_DIR", str(tmp_path / "cache"))
-    common = (*TINY, "--steps", "4", "--save-every", "2", "--data", str(text_corpus), "--out",
-              f"s3://{s3_bucket}/runs/x")
+    common = (
+        *TINY,
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--data",
+        str(text_corpus),
+        "--out",
+        f"s3://{s3_bucket}/runs/x",
+    )
 
     code, err = cli(capsys, *common)
     assert code == 2 and "not created by lingctl" in one_line_error(err)
@@ -131,8 +152,14 @@ def test_s3_prefix_holding_other_objects_is_refused_and_left_alone(capsys, monke
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("path", ["../outside/checkpoints/step-00000002", "/tmp/checkpoints/step-00000002",
-                                  "checkpoints/step-00000002/../../../outside"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../outside/checkpoints/step-00000002",
+        "/tmp/checkpoints/step-00000002",
+        "checkpoints/step-00000002/../../../outside",
+    ],
+)
 def test_latest_json_naming_a_path_outside_the_run_is_refused(capsys, tmp_path, small_run, path):
     run = tmp_path / "run"
     shutil.copytree(small_run, run)
@@ -145,16 +172,24 @@ def test_latest_json_naming_a_path_outside_the_run_is_refused(capsys, tmp_path, 
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("file, content, code, words", [
-    ("latest.json", b"{not json", 4, "latest.json is damaged"),
-    ("latest.json", b'{"step": "two", "path": "checkpoints/step-00000002"}', 4, "not a step number"),
-    ("latest.json", b'{"step": 2, "path": "checkpoints/elsewhere"}', 4, "checkpoints/step-NNNNNNNN"),
-    ("checkpoints/step-00000002/train_config.json", b"\x00\xffgarbage", 4, "train_config.json is damaged"),
-    ("checkpoints/step-00000002/train_config.json", b"[1, 2]", 4, "train_config.json is damaged"),
-    ("checkpoints/step-00000002/state/pcache.json", b"garbage", 4, "pcache.json"),
-    ("lingctl-run.json", b'{"format": "lingctl-run", "version": 1, "entries": ["../../etc"]}', 4, "lingctl-run.json"),
-    ("lingctl-run.json", b'{"format": "lingctl-run", "version": 1, "entries": ["notes.txt"]}', 4, "never writes"),
-])
+@pytest.mark.parametrize(
+    "file, content, code, words",
+    [
+        ("latest.json", b"{not json", 4, "latest.json is damaged"),
+        ("latest.json", b'{"step": "two", "path": "checkpoints/step-00000002"}', 4, "not a step number"),
+        ("latest.json", b'{"step": 2, "path": "checkpoints/elsewhere"}', 4, "checkpoints/step-NNNNNNNN"),
+        ("checkpoints/step-00000002/train_config.json", b"\x00\xffgarbage", 4, "train_config.json is damaged"),
+        ("checkpoints/step-00000002/train_config.json", b"[1, 2]", 4, "train_config.json is damaged"),
+        ("checkpoints/step-00000002/state/pcache.json", b"garbage", 4, "pcache.json"),
+        (
+            "lingctl-run.json",
+            b'{"format": "lingctl-run", "version": 1, "entries": ["../../etc"]}',
+            4,
+            "lingctl-run.json",
+        ),
+        ("lingctl-run.json", b'{"format": "lingctl-run", "version": 1, "entries": ["notes.txt"]}', 4, "never writes"),
+    ],
+)
 def test_damaged_run_files_are_one_line_errors(capsys, tmp_path, small_run, file, content, code, words):
     run = tmp_path / "run"
     shutil.copytree(small_run, run)
@@ -167,8 +202,22 @@ def test_damaged_run_files_are_one_line_errors(capsys, tmp_path, small_run, file
 
 def test_a_diverging_run_ends_with_exit_1_and_says_why(lingctl, tmp_path, text_corpus):
     run = tmp_path / "run"
-    res = lingctl(*TINY, "--steps", "200", "--lr", "1e4", "--save-every", "0", "--max-consecutive-skips", "5",
-                  "--data", str(text_corpus), "--out", str(run), "--json")
+    res = lingctl(
+        *TINY,
+        "--steps",
+        "200",
+        "--lr",
+        "1e4",
+        "--save-every",
+        "0",
+        "--max-consecutive-skips",
+        "5",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(run),
+        "--json",
+    )
     assert res.returncode == 1, res.stderr
     line = one_line_error(res.stderr)
     assert line.startswith("lingctl: error: training diverged after step ")
@@ -180,26 +229,29 @@ def test_a_diverging_run_ends_with_exit_1_and_says_why(lingctl, tmp_path, text_c
     assert not (run / "latest.json").exists() and not (run / "checkpoints").exists()  # nothing saved
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--lr", "nan"), "optim.lr (--lr) must be a finite number > 0, got nan"),
-    (("--lr", "-1"), "optim.lr (--lr) must be a finite number > 0, got -1.0"),
-    (("--lr", "inf"), "optim.lr (--lr) must be a finite number > 0, got inf"),
-    (("--steps", "0"), "steps (--steps)"),
-    (("--batch-size", "0"), "batch_size"),
-    (("--seq-len", "1"), "seq_len"),
-    (("--save-every", "-1"), "save_every"),
-    (("--eval-every", "-2"), "eval_every"),
-    (("--max-seconds", "nan"), "max_seconds"),
-    (("--max-seconds", "-5"), "max_seconds"),
-    (("--seed", "-1"), "seed"),
-    (("--slowdown", "inf"), "slowdown"),
-    (("--sync-every", "0"), "sync_every"),
-    (("--sync-every-seconds", "inf"), "sync_every_seconds"),
-    (("--max-consecutive-skips", "0"), "max_consecutive_skips"),
-    (("--set", "optim.beta2=1.0"), "optim.beta2"),
-    (("--set", "optim.grad_clip=nan"), "optim.grad_clip"),
-    (("--set", "spike.ema_beta=nan"), "spike.ema_beta"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--lr", "nan"), "optim.lr (--lr) must be a finite number > 0, got nan"),
+        (("--lr", "-1"), "optim.lr (--lr) must be a finite number > 0, got -1.0"),
+        (("--lr", "inf"), "optim.lr (--lr) must be a finite number > 0, got inf"),
+        (("--steps", "0"), "steps (--steps)"),
+        (("--batch-size", "0"), "batch_size"),
+        (("--seq-len", "1"), "seq_len"),
+        (("--save-every", "-1"), "save_every"),
+        (("--eval-every", "-2"), "eval_every"),
+        (("--max-seconds", "nan"), "max_seconds"),
+        (("--max-seconds", "-5"), "max_seconds"),
+        (("--seed", "-1"), "seed"),
+        (("--slowdown", "inf"), "slowdown"),
+        (("--sync-every", "0"), "sync_every"),
+        (("--sync-every-seconds", "inf"), "sync_every_seconds"),
+        (("--max-consecutive-skips", "0"), "max_consecutive_skips"),
+        (("--set", "optim.beta2=1.0"), "optim.beta2"),
+        (("--set", "optim.grad_clip=nan"), "optim.grad_clip"),
+        (("--set", "spike.ema_beta=nan"), "spike.ema_beta"),
+    ],
+)
 def test_bad_numbers_are_one_line_usage_errors(capsys, tmp_path, args, words):
     code, err = cli(capsys, "train", "--preset", "tiny", "--out", str(tmp_path / "run"), *args)
     assert code == 2

@@ -46,9 +46,27 @@ def test_ddp_on_two_workers_trains_checkpoints_across_both_and_resumes(lingctl, 
 
 def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_path, text_corpus):
     run = tmp_path / "run"
-    res = lingctl(*TINY, "--sync", "ddp", "--data", str(text_corpus), "--out", str(run), "--save-every", "4",
-                  "--steps", "10", "--max-restarts", "1", "--set", "crash_at_step=6", "--set", "crash_rank=1",
-                  "--json", timeout=300)
+    res = lingctl(
+        *TINY,
+        "--sync",
+        "ddp",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(run),
+        "--save-every",
+        "4",
+        "--steps",
+        "10",
+        "--max-restarts",
+        "1",
+        "--set",
+        "crash_at_step=6",
+        "--set",
+        "crash_rank=1",
+        "--json",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     done = [r for r in records(res.stdout) if r.get("event") == "done"]
     assert done[-1]["resumed_from"] == 4 and done[-1]["steps"] == 10
@@ -57,11 +75,29 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_
 
 
 def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs_and_resumes(
-        lingctl, tmp_path, text_corpus):
+    lingctl, tmp_path, text_corpus
+):
     run = tmp_path / "run"
-    common = (*TINY, "--sync", "edit", "--sync-every-seconds", "0.6", "--simulate-slow-rank", "1", "--slowdown", "3",
-              "--simulate-bad-rank", "1", "--data", str(text_corpus), "--out", str(run), "--save-every", "12",
-              "--json")
+    common = (
+        *TINY,
+        "--sync",
+        "edit",
+        "--sync-every-seconds",
+        "0.6",
+        "--simulate-slow-rank",
+        "1",
+        "--slowdown",
+        "3",
+        "--simulate-bad-rank",
+        "1",
+        "--data",
+        str(text_corpus),
+        "--out",
+        str(run),
+        "--save-every",
+        "12",
+        "--json",
+    )
     res = lingctl(*common, "--steps", "24", timeout=300)
     assert res.returncode == 0, res.stderr
     syncs = [r for r in metrics(run) if r["event"] == "sync"]
@@ -72,7 +108,7 @@ def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs
     # The corrupted worker's pseudo-gradient (x100) got no weight, and the loss did not spike.
     assert all(r["weights"][1] < 1e-3 for r in syncs), syncs
     losses = [r["loss"] for r in metrics(run) if r["event"] == "step"]
-    assert max(losses[len(losses) // 2:]) < losses[0]
+    assert max(losses[len(losses) // 2 :]) < losses[0]
     latest = json.loads((run / "latest.json").read_text())
     assert json.loads((run / latest["path"] / "state" / "pcache.json").read_text())["world_size"] == 2
     again = lingctl(*common, "--steps", "30", "--resume", timeout=300)
@@ -82,8 +118,9 @@ def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs
 
 
 def test_bad_input_on_several_workers_is_one_line_per_worker_and_the_workers_exit_code(lingctl, tmp_path):
-    res = lingctl(*TINY, "--steps", "3", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "missing"),
-                  timeout=120)
+    res = lingctl(
+        *TINY, "--steps", "3", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "missing"), timeout=120
+    )
     assert res.returncode == 3, res.stderr
     assert "Traceback" not in res.stderr and "data path not found" in res.stderr
     assert all(line.startswith(("lingctl: error:", "hint:")) for line in res.stderr.strip().splitlines()), res.stderr

@@ -39,8 +39,9 @@ def test_temporary_names_carry_host_and_pid_and_fit_long_targets(tmp_path) -> No
 
 
 def test_sweep_removes_only_temporary_files_of_dead_writers(tmp_path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     host = tmp_prefix("x").split(TMP_MARKER)[1].split("-")[0]
     sub = tmp_path / "sub"

@@ -50,17 +50,20 @@ def test_overrides_alone_and_coercion() -> None:
     assert cfg.out == Path("~/runs").expanduser()
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"name": "a", "stepz": 1}, "unknown setting 'stepz'"),
-    ({"steps": 1}, "missing required setting 'name'"),
-    ({"name": "a", "steps": "many"}, "steps must be an integer"),
-    ({"name": "a", "steps": 1.5}, "steps must be an integer"),
-    ({"name": "a", "dtype": "fp8"}, "dtype must be one of 'float32', 'bfloat16'"),
-    ({"name": "a", "optim": {"lr": "fast"}}, "optim.lr must be a number"),
-    ({"name": "a", "optim": {"momentum": 1}}, "unknown setting 'optim.momentum'"),
-    ({"name": "a", "steps": 0}, "steps must be positive"),
-    ({"name": 5}, "name must be a string"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"name": "a", "stepz": 1}, "unknown setting 'stepz'"),
+        ({"steps": 1}, "missing required setting 'name'"),
+        ({"name": "a", "steps": "many"}, "steps must be an integer"),
+        ({"name": "a", "steps": 1.5}, "steps must be an integer"),
+        ({"name": "a", "dtype": "fp8"}, "dtype must be one of 'float32', 'bfloat16'"),
+        ({"name": "a", "optim": {"lr": "fast"}}, "optim.lr must be a number"),
+        ({"name": "a", "optim": {"momentum": 1}}, "unknown setting 'optim.momentum'"),
+        ({"name": "a", "steps": 0}, "steps must be positive"),
+        ({"name": 5}, "name must be a string"),
+    ],
+)
 def test_errors_name_the_key(data: dict, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         from_mapping(RunConfig, data, where="run.toml")

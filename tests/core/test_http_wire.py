@@ -13,9 +13,9 @@ import socket
 import ssl
 import subprocess
 import threading
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -176,8 +176,10 @@ H = {"Host": "127.0.0.1"}
 
 
 def test_content_length_answer_and_headers(start: Start) -> None:
-    raw = (b"HTTP/1.1 200 Fine Thanks\r\nContent-Length: 5\r\nX-Amz-Meta-Color: blue\r\nETag: \"e1\"\r\n"
-           b"x-amz-meta-color: green\r\n\r\nhello")
+    raw = (
+        b'HTTP/1.1 200 Fine Thanks\r\nContent-Length: 5\r\nX-Amz-Meta-Color: blue\r\nETag: "e1"\r\n'
+        b"x-amz-meta-color: green\r\n\r\nhello"
+    )
     server, pool = start(script((raw, "keep")))
     reply = pool.request("GET", "/b/k?x=1", H)
     assert (reply.status, reply.reason, reply.data) == (200, "Fine Thanks", b"hello")
@@ -185,8 +187,7 @@ def test_content_length_answer_and_headers(start: Start) -> None:
     assert "content-LENGTH" in reply.headers and "X-Missing" not in reply.headers
     assert reply.headers.get("x-missing", "d") == "d"
     assert reply.headers["X-AMZ-META-COLOR"] == "blue, green"
-    assert reply.headers.items() == [("Content-Length", "5"), ("X-Amz-Meta-Color", "blue, green"),
-                                     ("ETag", '"e1"')]
+    assert reply.headers.items() == [("Content-Length", "5"), ("X-Amz-Meta-Color", "blue, green"), ("ETag", '"e1"')]
     assert [(r.method, r.target) for r in server.received] == [("GET", "/b/k?x=1")]
 
 
@@ -197,8 +198,10 @@ def test_keep_alive_reuses_until_the_server_says_close(start: Start) -> None:
 
 
 def test_chunked_body_is_decoded_and_the_connection_reused(start: Start) -> None:
-    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"5;x=y\r\nhello\r\n1\r\n \r\nc\r\nworld, again\r\n0\r\nX-Trailer: t\r\n\r\n")
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;x=y\r\nhello\r\n1\r\n \r\nc\r\nworld, again\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
     server, pool = start(script((chunked, "keep"), ok(b"next")))
     assert pool.request("GET", "/a", H).data == b"hello world, again"
     assert pool.request("GET", "/b", H).data == b"next"
@@ -212,12 +215,15 @@ def test_body_without_length_is_read_to_the_close(start: Start) -> None:
     assert [r.conn for r in server.received] == [1, 2]
 
 
-@pytest.mark.parametrize(("method", "head"), [
-    ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"),
-    ("GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 1234\r\n\r\n"),
-    ("GET", b"HTTP/1.1 204 No Content\r\n\r\n"),
-    ("GET", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 99\r\n\r\n"),
-])
+@pytest.mark.parametrize(
+    ("method", "head"),
+    [
+        ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"),
+        ("GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 1234\r\n\r\n"),
+        ("GET", b"HTTP/1.1 204 No Content\r\n\r\n"),
+        ("GET", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 99\r\n\r\n"),
+    ],
+)
 def test_answers_without_a_body_leave_the_connection_usable(start: Start, method: str, head: bytes) -> None:
     server, pool = start(script((head, "keep"), ok(b"after")))
     first = pool.request(method, "/a", H)
@@ -230,8 +236,12 @@ def test_answers_without_a_body_leave_the_connection_usable(start: Start, method
 @pytest.mark.parametrize("size", [10, 64 * 1024, 64 * 1024 + 1, 300_000])
 def test_put_sends_the_exact_body_and_headers_in_order(start: Start, size: int) -> None:
     body = bytes(i % 251 for i in range(size))
-    headers = {"Host": "bucket.example.test:9000", "x-amz-date": "20240101T000000Z",
-               "Content-Length": str(size), "X-Custom": "a b"}
+    headers = {
+        "Host": "bucket.example.test:9000",
+        "x-amz-date": "20240101T000000Z",
+        "Content-Length": str(size),
+        "X-Custom": "a b",
+    }
     server, pool = start(script(ok(b"")))
     assert pool.request("PUT", "/bucket/key%20x", headers, memoryview(body)).status == 200
     (got,) = server.received
@@ -269,8 +279,9 @@ def test_connection_refused_is_a_wire_error() -> None:
 
 
 def test_body_cut_short_names_the_byte_counts(start: Start) -> None:
-    server, pool = start(script((b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10, "close"),
-                                ok(b"again")))
+    server, pool = start(
+        script((b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10, "close"), ok(b"again"))
+    )
     with pytest.raises(WireError, match="10 of 1000 bytes"):
         pool.request("GET", "/a", H)
     assert pool.request("GET", "/b", H).data == b"again"  # the broken connection was not kept
@@ -335,9 +346,28 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         pytest.skip("the openssl command is not installed")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 

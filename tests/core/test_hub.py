@@ -61,8 +61,14 @@ def test_revisions_resolve_to_their_snapshots(hf_home, tmp_path):
     snap_b = cache_repo(hf_home, "org/name", model_src(tmp_path / "b", "B"), revision="refs/pr/1", commit=COMMIT_B)
     cache_repo(hf_home, "org/name", model_src(tmp_path / "b2", "B"), revision="v1.0", commit=COMMIT_B)
     assert snap_a.name == COMMIT_A and snap_b.name == COMMIT_B
-    cases = {"org/name": "A", "org/name@main": "A", "org/name@refs/pr/1": "B", "org/name@v1.0": "B",
-             f"org/name@{COMMIT_A}": "A", f"org/name@{COMMIT_B}": "B"}
+    cases = {
+        "org/name": "A",
+        "org/name@main": "A",
+        "org/name@refs/pr/1": "B",
+        "org/name@v1.0": "B",
+        f"org/name@{COMMIT_A}": "A",
+        f"org/name@{COMMIT_B}": "B",
+    }
     for spec, tag in cases.items():
         got = resolve_model_dir(spec)
         assert got.resolve() == (snap_a if tag == "A" else snap_b).resolve(), spec
@@ -111,9 +117,27 @@ def test_unreachable_hub_falls_back_to_the_cache_or_fails_in_one_line(hf_home, t
     assert "hf download org/missing --revision v1" in info.value.hint
 
 
-@pytest.mark.parametrize("spec", ["org", "org/name/extra", "org//name", "-org/name", "org/name.", "org--x/name",
-                                  "org/na..me", "org/name.git", "org/na me", "org/name@", "org/name@../../x",
-                                  "org/name@v1 x", "org/name@.hidden", "org/name@a//b", "./org/name", "/abs/org/name"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "org",
+        "org/name/extra",
+        "org//name",
+        "-org/name",
+        "org/name.",
+        "org--x/name",
+        "org/na..me",
+        "org/name.git",
+        "org/na me",
+        "org/name@",
+        "org/name@../../x",
+        "org/name@v1 x",
+        "org/name@.hidden",
+        "org/name@a//b",
+        "./org/name",
+        "/abs/org/name",
+    ],
+)
 def test_malformed_ids_are_rejected(hf_home, tmp_path, monkeypatch, spec):
     monkeypatch.chdir(tmp_path)
     assert not is_repo_id(spec) and parse_repo_id(spec) is None
@@ -124,8 +148,15 @@ def test_malformed_ids_are_rejected(hf_home, tmp_path, monkeypatch, spec):
 
 
 def test_well_formed_ids():
-    for spec in ["org/name", "inclusionAI/Ling-lite-1.5", "a_b/c.d-e", "org/name@main", "org/name@refs/pr/3",
-                 f"org/name@{COMMIT_A}", "org/name@v2.0-rc1"]:
+    for spec in [
+        "org/name",
+        "inclusionAI/Ling-lite-1.5",
+        "a_b/c.d-e",
+        "org/name@main",
+        "org/name@refs/pr/3",
+        f"org/name@{COMMIT_A}",
+        "org/name@v2.0-rc1",
+    ]:
         assert is_repo_id(spec), spec
     got = parse_repo_id("org/name@refs/pr/3")
     assert got is not None and (got.repo_id, got.revision) == ("org/name", "refs/pr/3")

@@ -11,8 +11,19 @@ from lingctl.core.errors import EXIT_VERIFY
 from lingctl.core.names import UnsafeNameError, check_relative, join_under, printable
 
 
-@pytest.mark.parametrize("name", ["a", "dir/file.bin", "step-000100/state/.metadata", "ünï/日本語.txt",
-                                  "with space & plus+", "..hidden", "a..b/c", ".lingctl-tmp-x"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a",
+        "dir/file.bin",
+        "step-000100/state/.metadata",
+        "ünï/日本語.txt",
+        "with space & plus+",
+        "..hidden",
+        "a..b/c",
+        ".lingctl-tmp-x",
+    ],
+)
 def test_normal_names_are_accepted(tmp_path: Path, name: str) -> None:
     assert check_relative(name) == name
     joined = join_under(tmp_path, name)
@@ -20,23 +31,26 @@ def test_normal_names_are_accepted(tmp_path: Path, name: str) -> None:
     assert os.path.commonpath([tmp_path, joined]) == str(tmp_path)
 
 
-@pytest.mark.parametrize("name, reason", [
-    ("/etc/passwd", "absolute"),
-    ("\\windows", "absolute"),
-    ("../escape", "segment"),
-    ("a/../../escape", "segment"),
-    ("a/./b", "segment"),
-    ("a//b", "empty"),
-    ("a/", "empty"),
-    ("", "not a file name"),
-    ("line\nbreak", "control characters"),
-    ("esc\x1b[31mred", "control characters"),
-    ("nul\x00byte", "control characters"),
-    ("del\x7f", "control characters"),
-    ("lone\ud800", "lone surrogate"),
-    ("x" * 256, "too long"),
-    ("a/" * 2100 + "b", "too long"),
-])
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("/etc/passwd", "absolute"),
+        ("\\windows", "absolute"),
+        ("../escape", "segment"),
+        ("a/../../escape", "segment"),
+        ("a/./b", "segment"),
+        ("a//b", "empty"),
+        ("a/", "empty"),
+        ("", "not a file name"),
+        ("line\nbreak", "control characters"),
+        ("esc\x1b[31mred", "control characters"),
+        ("nul\x00byte", "control characters"),
+        ("del\x7f", "control characters"),
+        ("lone\ud800", "lone surrogate"),
+        ("x" * 256, "too long"),
+        ("a/" * 2100 + "b", "too long"),
+    ],
+)
 def test_unsafe_names_are_refused_with_exit_4(tmp_path: Path, name: str, reason: str) -> None:
     with pytest.raises(UnsafeNameError, match=reason) as info:
         join_under(tmp_path, name, what="manifest entry")

@@ -32,13 +32,15 @@ def client(s3_server: LocalS3Server, s3_bucket: str) -> SignedS3Client:
         yield c
 
 
-def test_put_metadata_and_checksum_are_what_boto3_sees(client: SignedS3Client, s3_server: LocalS3Server,
-                                                        s3_bucket: str) -> None:
+def test_put_metadata_and_checksum_are_what_boto3_sees(
+    client: SignedS3Client, s3_server: LocalS3Server, s3_bucket: str
+) -> None:
     crc = crc64_bytes(DATA).b64()
     meta = {"mtime": "1700000000.25", "color": "blue"}
     put = client.put("dir/obj.bin", DATA, metadata=meta, checksum_crc64nvme_b64=crc)
     head = make_client(S3Options(endpoint_url=s3_server.endpoint)).head_object(
-        Bucket=s3_bucket, Key="dir/obj.bin", ChecksumMode="ENABLED")
+        Bucket=s3_bucket, Key="dir/obj.bin", ChecksumMode="ENABLED"
+    )
     assert head["ContentLength"] == len(DATA)
     assert {k.lower(): v for k, v in head["Metadata"].items()} == meta
     assert head["ChecksumCRC64NVME"] == crc
@@ -50,8 +52,9 @@ def test_put_metadata_and_checksum_are_what_boto3_sees(client: SignedS3Client, s
     assert user_metadata(mine) == meta
     # The same fields, in boto3's shape, for the one reply parser.
     reply = as_reply(mine)
-    assert {k: reply[k] for k in ("ContentLength", "ETag", "LastModified", "ChecksumCRC64NVME")} == \
-        {k: head[k] for k in ("ContentLength", "ETag", "LastModified", "ChecksumCRC64NVME")}
+    assert {k: reply[k] for k in ("ContentLength", "ETag", "LastModified", "ChecksumCRC64NVME")} == {
+        k: head[k] for k in ("ContentLength", "ETag", "LastModified", "ChecksumCRC64NVME")
+    }
     assert reply["Metadata"] == meta
 
 
@@ -78,8 +81,10 @@ def test_if_match_is_sent_and_rclone_ignores_it(s3_server: LocalS3Server, s3_buc
         if request.method == "GET":
             seen.append(request.headers.get("If-Match"))
 
-    with FaultProxy(s3_server.endpoint, rule=record) as proxy, \
-            SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client:
+    with (
+        FaultProxy(s3_server.endpoint, rule=record) as proxy,
+        SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client,
+    ):
         etag = client.put("k", DATA, metadata={}, checksum_crc64nvme_b64=None)["ETag"]
         assert client.get("k", if_match=etag)[0] == DATA
         assert client.get("k", if_match=etag.strip('"'))[0] == DATA  # quoted for the caller
@@ -96,8 +101,10 @@ def test_payload_hash_in_the_signature(s3_server: LocalS3Server, s3_bucket: str)
     def record(request: FaultRequest) -> None:
         sent.append({k.lower(): v for k, v in request.headers.items()}.get("x-amz-content-sha256"))
 
-    with FaultProxy(s3_server.endpoint, rule=record) as proxy, \
-            SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client:
+    with (
+        FaultProxy(s3_server.endpoint, rule=record) as proxy,
+        SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client,
+    ):
         client.put("with-crc", DATA, metadata={}, checksum_crc64nvme_b64=crc64_bytes(DATA).b64())
         client.put("without", DATA, metadata={}, checksum_crc64nvme_b64=None)  # plain http, nothing else
         client.sign_payload = True
@@ -120,21 +127,24 @@ def test_missing_keys_and_delete(client: SignedS3Client) -> None:
     client.delete("gone")  # deleting what is not there succeeds, as on S3
 
 
-def test_keys_with_spaces_unicode_and_reserved_characters(client: SignedS3Client, s3_server: LocalS3Server,
-                                                          s3_bucket: str) -> None:
+def test_keys_with_spaces_unicode_and_reserved_characters(
+    client: SignedS3Client, s3_server: LocalS3Server, s3_bucket: str
+) -> None:
     keys = ["with space/a b.bin", "plus+sign", "ünïcødé/日本.txt", "q?&=#%;@!$'()*,"]
     for i, key in enumerate(keys):
-        client.put(key, DATA[i:i + 100], metadata={"n": str(i)}, checksum_crc64nvme_b64=None)
+        client.put(key, DATA[i : i + 100], metadata={"n": str(i)}, checksum_crc64nvme_b64=None)
     for i, key in enumerate(keys):
         body, headers = client.get(key)
-        assert body == DATA[i:i + 100] and user_metadata(headers) == {"n": str(i)}
+        assert body == DATA[i : i + 100] and user_metadata(headers) == {"n": str(i)}
     listed = make_client(S3Options(endpoint_url=s3_server.endpoint)).list_objects_v2(Bucket=s3_bucket)
     assert sorted(o["Key"] for o in listed["Contents"]) == sorted(keys)
 
 
 def test_throttle_and_dropped_connections_are_classifiable(s3_server: LocalS3Server, s3_bucket: str) -> None:
-    with FaultProxy(s3_server.endpoint, rule=first_n(1)) as proxy, \
-            SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client:
+    with (
+        FaultProxy(s3_server.endpoint, rule=first_n(1)) as proxy,
+        SignedS3Client(S3Options(endpoint_url=proxy.endpoint), s3_bucket) as client,
+    ):
         with pytest.raises(S3HTTPError) as info:
             client.put("k", DATA, metadata={}, checksum_crc64nvme_b64=None)
         err = info.value
@@ -154,8 +164,9 @@ def test_throttle_and_dropped_connections_are_classifiable(s3_server: LocalS3Ser
         refused.head("k")
 
 
-def test_bad_credentials_are_403_with_the_code(s3_server: LocalS3Server, s3_bucket: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_credentials_are_403_with_the_code(
+    s3_server: LocalS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value-123")
     client = SignedS3Client(S3Options(endpoint_url=s3_server.endpoint), s3_bucket)
     with pytest.raises(S3HTTPError) as info:
@@ -181,7 +192,7 @@ def test_bad_credentials_are_403_with_the_code(s3_server: LocalS3Server, s3_buck
 
 def test_one_client_many_threads(client: SignedS3Client) -> None:
     def round_trip(i: int) -> bool:
-        body = DATA[i:i + 1000 + i]
+        body = DATA[i : i + 1000 + i]
         client.put(f"t/{i}", body, metadata={"i": str(i)}, checksum_crc64nvme_b64=crc64_bytes(body).b64())
         got, headers = client.get(f"t/{i}")
         return got == body and user_metadata(headers) == {"i": str(i)}
@@ -205,8 +216,9 @@ def test_addressing(s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
     assert aws.url("k") == "https://bkt.s3.eu-west-1.amazonaws.com/k"
 
 
-def test_multipart_upload_complete_abort_and_a_wrong_part_digest(client: SignedS3Client, s3_server: LocalS3Server,
-                                                                 s3_bucket: str) -> None:
+def test_multipart_upload_complete_abort_and_a_wrong_part_digest(
+    client: SignedS3Client, s3_server: LocalS3Server, s3_bucket: str
+) -> None:
     import base64
 
     part1, part2 = os.urandom(5 << 20), os.urandom(1000)
@@ -217,8 +229,10 @@ def test_multipart_upload_complete_abort_and_a_wrong_part_digest(client: SignedS
     assert refused.value.status == 400 and refused.value.code == "BadDigest"
     # (rclone serve s3 then forgets that upload: babel's copy starts a new one, UploadGoneError.)
     upload_id = client.create_multipart("mp/obj", metadata={"mtime": "12.5"})
-    tags = [(1, client.upload_part("mp/obj", upload_id, 1, part1, content_md5_b64=md5)),
-            (2, client.upload_part("mp/obj", upload_id, 2, part2))]
+    tags = [
+        (1, client.upload_part("mp/obj", upload_id, 1, part1, content_md5_b64=md5)),
+        (2, client.upload_part("mp/obj", upload_id, 2, part2)),
+    ]
     assert tags[1][1] == hashlib.md5(part2).hexdigest()
     assert client.complete_multipart("mp/obj", upload_id, tags)
     body, headers = client.get("mp/obj")

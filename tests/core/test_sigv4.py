@@ -11,13 +11,36 @@ from lingctl.core.storage.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Credentia
 
 NOW = dt.datetime(2026, 12, 3, 10, 30, 5, tzinfo=dt.timezone.utc)
 CASES = [
-    ("GET", "127.0.0.1:9000", "/my-bucket", "delimiter=%2F&encoding-type=url&list-type=2&prefix=a%20b%2F",
-     {}, EMPTY_SHA256),
-    ("PUT", "my-bucket.s3.eu-west-1.amazonaws.com", "/dir/%C3%A9t%C3%A9%20%2B%20x.bin", "",
-     {"Content-Length": "5", "Content-MD5": "XUFAKrxLKna5cZ2REBfFkg==", "x-amz-meta-mtime": "1700000000.123456789",
-      "x-amz-checksum-crc64nvme": "BeXKuz/B+us=", "User-Agent": "lingctl/0"}, UNSIGNED_PAYLOAD),
-    ("GET", "host:1", "/b/k", "", {"Range": "bytes=0-9", "If-Match": '"abc"', "x-amz-checksum-mode": "ENABLED"},
-     EMPTY_SHA256),
+    (
+        "GET",
+        "127.0.0.1:9000",
+        "/my-bucket",
+        "delimiter=%2F&encoding-type=url&list-type=2&prefix=a%20b%2F",
+        {},
+        EMPTY_SHA256,
+    ),
+    (
+        "PUT",
+        "my-bucket.s3.eu-west-1.amazonaws.com",
+        "/dir/%C3%A9t%C3%A9%20%2B%20x.bin",
+        "",
+        {
+            "Content-Length": "5",
+            "Content-MD5": "XUFAKrxLKna5cZ2REBfFkg==",
+            "x-amz-meta-mtime": "1700000000.123456789",
+            "x-amz-checksum-crc64nvme": "BeXKuz/B+us=",
+            "User-Agent": "lingctl/0",
+        },
+        UNSIGNED_PAYLOAD,
+    ),
+    (
+        "GET",
+        "host:1",
+        "/b/k",
+        "",
+        {"Range": "bytes=0-9", "If-Match": '"abc"', "x-amz-checksum-mode": "ENABLED"},
+        EMPTY_SHA256,
+    ),
 ]
 
 

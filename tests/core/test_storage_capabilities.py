@@ -69,8 +69,9 @@ def test_head_prefers_lingctl_mtime_then_rclones_then_last_modified(s3_bucket: s
     client = make_client(S3Options())
     client.put_object(Bucket=s3_bucket, Key="h/rclone", Body=b"r", Metadata={"mtime": "1500000000.500000000"})
     client.put_object(Bucket=s3_bucket, Key="h/plain", Body=b"p")
-    client.put_object(Bucket=s3_bucket, Key="h/both", Body=b"b", Metadata=object_metadata(mtime=MTIME) | {
-        "mtime": "1.0"})
+    client.put_object(
+        Bucket=s3_bucket, Key="h/both", Body=b"b", Metadata=object_metadata(mtime=MTIME) | {"mtime": "1.0"}
+    )
     store = open_store(f"s3://{s3_bucket}/h")
     heads = {k: store.head(k) for k in ("rclone", "plain", "both")}
     assert heads["rclone"] is not None and heads["rclone"].mtime == 1_500_000_000.5
@@ -108,11 +109,13 @@ def test_multipart_parts_in_any_order_then_complete(store: ObjectStore) -> None:
     data = os.urandom(2 * part + 1234)
     crc = crc64_bytes(data).tagged()
     upload_id = uploads.create("big/obj.bin", len(data), mtime=MTIME, crc=crc)
-    tags = {n: uploads.put_part("big/obj.bin", upload_id, n, (n - 1) * part, data[(n - 1) * part:n * part])
-            for n in (3, 1, 2)}
+    tags = {
+        n: uploads.put_part("big/obj.bin", upload_id, n, (n - 1) * part, data[(n - 1) * part : n * part])
+        for n in (3, 1, 2)
+    }
     assert not store.exists("big/obj.bin")  # nothing is visible before completion
     done = uploads.complete("big/obj.bin", upload_id, sorted(tags.items()), mtime=MTIME)
-    assert store.read("big/obj.bin") == data and store.read("big/obj.bin", part - 2, 4) == data[part - 2:part + 2]
+    assert store.read("big/obj.bin") == data and store.read("big/obj.bin", part - 2, 4) == data[part - 2 : part + 2]
     head = store.head("big/obj.bin")
     listed = {o.key: o for o in store.list()}
     assert head is not None and head.mtime == MTIME and done.etag == listed["big/obj.bin"].etag
@@ -139,10 +142,10 @@ def test_s3_multipart_upload_continues_in_another_store_object(s3_bucket: str) -
     assert first.multipart is not None and first.multipart.resumable
     data = os.urandom(5 * MiB + 77)
     upload_id = first.multipart.create("r.bin", len(data), mtime=MTIME)
-    tag1 = first.multipart.put_part("r.bin", upload_id, 1, 0, data[:5 * MiB])
+    tag1 = first.multipart.put_part("r.bin", upload_id, 1, 0, data[: 5 * MiB])
     second = open_store(f"s3://{s3_bucket}/resume")
     assert second.multipart is not None
-    tag2 = second.multipart.put_part("r.bin", upload_id, 2, 5 * MiB, data[5 * MiB:])
+    tag2 = second.multipart.put_part("r.bin", upload_id, 2, 5 * MiB, data[5 * MiB :])
     second.multipart.complete("r.bin", upload_id, [(1, tag1), (2, tag2)])
     assert second.read("r.bin") == data
 
@@ -152,8 +155,7 @@ def test_throttling_lowers_concurrency_and_is_retried(s3_server, s3_bucket: str,
     store.write("k", b"v")
     with FaultProxy(s3_server.endpoint, rule=first_n(2, "503")) as proxy:
         gate = Aimd(8, cooldown_s=0.0)
-        throttled = open_store(f"s3://{s3_bucket}/t", S3Options(endpoint_url=proxy.endpoint, max_attempts=4),
-                               gate=gate)
+        throttled = open_store(f"s3://{s3_bucket}/t", S3Options(endpoint_url=proxy.endpoint, max_attempts=4), gate=gate)
         assert throttled.read("k") == b"v"
     assert throttled.retrier.counters.throttled == 2 and throttled.retrier.counters.retries == 2
     assert gate.lowest == 2  # halved on each of the two SlowDowns: 8 -> 4 -> 2
@@ -179,9 +181,13 @@ def test_translate_and_retrier_share_the_throttle_codes() -> None:
     import botocore.exceptions
 
     for code in sorted(THROTTLE_CODES):
-        exc = botocore.exceptions.ClientError({"Error": {"Code": code, "Message": "404 in the text"},
-                                               "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")
+        exc = botocore.exceptions.ClientError(
+            {"Error": {"Code": code, "Message": "404 in the text"}, "ResponseMetadata": {"HTTPStatusCode": 400}},
+            "GetObject",
+        )
         assert isinstance(translate(exc, "b/k", "", 1), RetryableError), code
-    text_only = botocore.exceptions.ClientError({"Error": {"Code": "Weird", "Message": "404 Not Found"},
-                                                 "ResponseMetadata": {"HTTPStatusCode": 400}}, "GetObject")
+    text_only = botocore.exceptions.ClientError(
+        {"Error": {"Code": "Weird", "Message": "404 Not Found"}, "ResponseMetadata": {"HTTPStatusCode": 400}},
+        "GetObject",
+    )
     assert not isinstance(translate(text_only, "b/k", "", 1), NotFoundError)

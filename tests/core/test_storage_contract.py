@@ -153,8 +153,10 @@ def test_local_listing_skips_broken_links_and_prunes(tmp_path: Path) -> None:
     (tmp_path / "keep" / "loop").symlink_to(tmp_path, target_is_directory=True)
     (tmp_path / "keep" / "link-to-a").symlink_to(tmp_path / "keep" / "a")
     assert [o.key for o in store.list("keep/")] == ["keep/a", "keep/link-to-a"]
-    assert [(o.key, o.is_dir) for o in store.list("keep", recursive=False)] == [("keep/a", False),
-                                                                                ("keep/link-to-a", False)]
+    assert [(o.key, o.is_dir) for o in store.list("keep", recursive=False)] == [
+        ("keep/a", False),
+        ("keep/link-to-a", False),
+    ]
 
 
 def test_empty_object(store: ObjectStore, tmp_path: Path) -> None:

@@ -9,31 +9,37 @@ from lingctl.core.storage import StoreURL, check_key, parse_url
 from lingctl.core.storage.url import check_endpoint_url, redact_url
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("s3://bucket", StoreURL("s3", "bucket", "")),
-    ("s3://bucket/", StoreURL("s3", "bucket", "")),
-    ("s3://bucket/a/b/", StoreURL("s3", "bucket", "a/b")),
-    ("S3://my.bucket-1/x", StoreURL("s3", "my.bucket-1", "x")),
-    ("/data/set", StoreURL("file", prefix="/data/set")),
-    ("file:///data/set", StoreURL("file", prefix="/data/set")),
-    ("relative/dir", StoreURL("file", prefix="relative/dir")),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("s3://bucket", StoreURL("s3", "bucket", "")),
+        ("s3://bucket/", StoreURL("s3", "bucket", "")),
+        ("s3://bucket/a/b/", StoreURL("s3", "bucket", "a/b")),
+        ("S3://my.bucket-1/x", StoreURL("s3", "my.bucket-1", "x")),
+        ("/data/set", StoreURL("file", prefix="/data/set")),
+        ("file:///data/set", StoreURL("file", prefix="/data/set")),
+        ("relative/dir", StoreURL("file", prefix="relative/dir")),
+    ],
+)
 def test_parse(text: str, expected: StoreURL) -> None:
     assert parse_url(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "empty"),
-    ("s3://", "no bucket"),
-    ("s3:///key", "no bucket"),
-    ("s3://ab", "invalid bucket"),
-    ("s3://bad!bucket/x", "invalid bucket"),
-    ("s3://-bucket", "invalid bucket"),
-    ("s3://bucket/a//b", "empty path segment"),
-    ("gs://bucket/x", "unsupported URL scheme 'gs'"),
-    ("http://host/x", "unsupported URL scheme 'http'"),
-    ("file://", "no path"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("s3://", "no bucket"),
+        ("s3:///key", "no bucket"),
+        ("s3://ab", "invalid bucket"),
+        ("s3://bad!bucket/x", "invalid bucket"),
+        ("s3://-bucket", "invalid bucket"),
+        ("s3://bucket/a//b", "empty path segment"),
+        ("gs://bucket/x", "unsupported URL scheme 'gs'"),
+        ("http://host/x", "unsupported URL scheme 'http'"),
+        ("file://", "no path"),
+    ],
+)
 def test_bad_urls_are_usage_errors(text: str, message: str) -> None:
     with pytest.raises(UsageError, match=message) as info:
         parse_url(text)
@@ -51,16 +57,27 @@ def test_join_and_str() -> None:
 
 # -- keys -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", ["a", "dir/file", "with space+plus", "ünï/日本語", "a..b"])
 def test_check_key_accepts_relative_names(key: str) -> None:
     assert check_key(key) == key
 
 
-@pytest.mark.parametrize("key, reason", [
-    ("", "not a file name"), ("/abs", "absolute"), ("a/", "segment"), ("a//b", "segment"), ("../x", "segment"),
-    ("a/./b", "segment"), ("nul\x00", "control"), ("esc\x1b[31m", "control"), ("new\nline", "control"),
-    ("x" * 256, "too long"),
-])
+@pytest.mark.parametrize(
+    "key, reason",
+    [
+        ("", "not a file name"),
+        ("/abs", "absolute"),
+        ("a/", "segment"),
+        ("a//b", "segment"),
+        ("../x", "segment"),
+        ("a/./b", "segment"),
+        ("nul\x00", "control"),
+        ("esc\x1b[31m", "control"),
+        ("new\nline", "control"),
+        ("x" * 256, "too long"),
+    ],
+)
 def test_check_key_follows_the_shared_name_rules_as_usage_errors(key: str, reason: str) -> None:
     with pytest.raises(UsageError, match=reason) as info:
         check_key(key)
@@ -71,34 +88,56 @@ def test_check_key_follows_the_shared_name_rules_as_usage_errors(key: str, reaso
 
 # -- endpoints and redaction ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, shown", [
-    ("http://user:hunter2@127.0.0.1:9000", "http://***@127.0.0.1:9000"),
-    ("https://AKIA:se/cr@t@host/path", "https://***@host/path"),  # '/' and '@' inside the password
-    ("could not reach http://u:hunter2@h:1 (x); also https://h2?token=hunter2&b=1",
-     "could not reach http://***@h:1 (x); also https://h2?token=***&b=1"),
-    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=hunter2&X-Amz-Security-Token=t",
-     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***"),
-    ("s3://bucket/mail@example.com/x", "s3://bucket/mail@example.com/x"),  # an '@' in a key is not a secret
-    ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
-    ("http://h/\x1b[2Jx\n", "http://h/\\x1b[2Jx\\n"),
-])
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("http://user:hunter2@127.0.0.1:9000", "http://***@127.0.0.1:9000"),
+        ("https://AKIA:se/cr@t@host/path", "https://***@host/path"),  # '/' and '@' inside the password
+        (
+            "could not reach http://u:hunter2@h:1 (x); also https://h2?token=hunter2&b=1",
+            "could not reach http://***@h:1 (x); also https://h2?token=***&b=1",
+        ),
+        (
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=hunter2&X-Amz-Security-Token=t",
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***",
+        ),
+        ("s3://bucket/mail@example.com/x", "s3://bucket/mail@example.com/x"),  # an '@' in a key is not a secret
+        ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
+        ("http://h/\x1b[2Jx\n", "http://h/\\x1b[2Jx\\n"),
+    ],
+)
 def test_redact_url(text: str, shown: str) -> None:
     assert redact_url(text) == shown
     assert "hunter2" not in redact_url(text)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("http://127.0.0.1:9000/", "http://127.0.0.1:9000"),
-    ("https://s3.example.com", "https://s3.example.com"),
-    ("http://[::1]:9000", "http://[::1]:9000"),
-    ("http://user:hunter2@127.0.0.1:9000", "http://127.0.0.1:9000"),  # never used by S3, so never kept
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("http://127.0.0.1:9000/", "http://127.0.0.1:9000"),
+        ("https://s3.example.com", "https://s3.example.com"),
+        ("http://[::1]:9000", "http://[::1]:9000"),
+        ("http://user:hunter2@127.0.0.1:9000", "http://127.0.0.1:9000"),  # never used by S3, so never kept
+    ],
+)
 def test_check_endpoint_url_accepts_and_drops_user_info(text: str, expected: str) -> None:
     assert check_endpoint_url(text) == expected
 
 
-@pytest.mark.parametrize("text", ["http://[::1", "http://user:hunter2@h:99999", "http://h:port", "ftp://h",
-                                  "not-a-url", "http://", "http://h /x", "http://user:hun/ter2@h"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "http://[::1",
+        "http://user:hunter2@h:99999",
+        "http://h:port",
+        "ftp://h",
+        "not-a-url",
+        "http://",
+        "http://h /x",
+        "http://user:hun/ter2@h",
+    ],
+)
 def test_malformed_endpoints_are_one_line_usage_errors_without_secrets(text: str) -> None:
     with pytest.raises(UsageError, match="invalid endpoint URL") as info:
         check_endpoint_url(text)

@@ -4,10 +4,19 @@ from lingctl.core.errors import UsageError
 from lingctl.core.units import format_size, parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("123", 123), ("1K", 1024), ("64MiB", 64 << 20), ("64M", 64 << 20), ("1.5G", int(1.5 * (1 << 30))),
-    ("500MB", 500_000_000), ("2 GiB", 2 << 30), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("123", 123),
+        ("1K", 1024),
+        ("64MiB", 64 << 20),
+        ("64M", 64 << 20),
+        ("1.5G", int(1.5 * (1 << 30))),
+        ("500MB", 500_000_000),
+        ("2 GiB", 2 << 30),
+        (4096, 4096),
+    ],
+)
 def test_parse_size(text, expected) -> None:
     assert parse_size(text) == expected
 

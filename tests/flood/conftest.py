@@ -14,8 +14,10 @@ from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "flood"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,14 +60,14 @@ def text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint with a trained byte-level BPE tokenizer and a chat template."""
     from lingctl.train.tokenizer import train_tokenizer
 
-    text = [("the quick brown fox jumps over the lazy dog. " * 3 + f"line {i} of a tiny corpus.\n")
-            for i in range(200)]
+    text = [("the quick brown fox jumps over the lazy dog. " * 3 + f"line {i} of a tiny corpus.\n") for i in range(200)]
     tok = train_tokenizer(text, 320)
     vocab = tok.get_vocab_size()
     path = tmp_path_factory.mktemp("flood") / "text"
     model = tiny_model(vocab=vocab, seed=1)
     model.config.eos_token_id = tok.token_to_id("<|endoftext|>")
     save_checkpoint(model, path, tokenizer_json=tok.to_str())
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
-                                                           "eos_token": "<|endoftext|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
+    )
     return path

@@ -36,14 +36,19 @@ def _first_run(tmp_path: Path) -> BatchOutput:
 
 # --- paths ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("batch", "out", "errors", "expected"), [
-    ("data/b.jsonl", None, None, ("data/b.output.jsonl", "data/b.errors.jsonl")),
-    ("data/b.jsonl", "runs/b.output.jsonl", None, ("runs/b.output.jsonl", "runs/b.errors.jsonl")),
-    ("data/b.jsonl", "x.jsonl", None, ("x.jsonl", "x.errors.jsonl")),
-    ("data/b.jsonl", "x.jsonl", "e/err.jsonl", ("x.jsonl", "e/err.jsonl")),
-])
-def test_default_paths(tmp_path: Path, batch: str, out: str | None, errors: str | None,
-                       expected: tuple[str, str]) -> None:
+
+@pytest.mark.parametrize(
+    ("batch", "out", "errors", "expected"),
+    [
+        ("data/b.jsonl", None, None, ("data/b.output.jsonl", "data/b.errors.jsonl")),
+        ("data/b.jsonl", "runs/b.output.jsonl", None, ("runs/b.output.jsonl", "runs/b.errors.jsonl")),
+        ("data/b.jsonl", "x.jsonl", None, ("x.jsonl", "x.errors.jsonl")),
+        ("data/b.jsonl", "x.jsonl", "e/err.jsonl", ("x.jsonl", "e/err.jsonl")),
+    ],
+)
+def test_default_paths(
+    tmp_path: Path, batch: str, out: str | None, errors: str | None, expected: tuple[str, str]
+) -> None:
     def p(name: str | None) -> Path | None:
         return None if name is None else tmp_path / name
 
@@ -62,6 +67,7 @@ def test_manifest_path_is_a_sibling() -> None:
 
 
 # --- writing ----------------------------------------------------------------------------------------------
+
 
 def test_start_creates_both_files_and_the_manifest(tmp_path: Path) -> None:
     out = BatchOutput(tmp_path / "runs/o.jsonl", tmp_path / "errs/e.jsonl", MANIFEST, resume=False)
@@ -85,8 +91,11 @@ def test_line_formats(tmp_path: Path) -> None:
     assert unparsed["custom_id"] is None and unparsed["response"] is None
     assert unparsed["error"] == {"code": "invalid_json", "message": "not valid JSON", "line": 3}
     assert rejected["response"]["status_code"] == 400
-    assert rejected["response"]["body"]["error"] == {"message": "n=2: only n=1 is supported",
-                                                     "type": "invalid_request_error", "code": "invalid_request"}
+    assert rejected["response"]["body"]["error"] == {
+        "message": "n=2: only n=1 is supported",
+        "type": "invalid_request_error",
+        "code": "invalid_request",
+    }
     assert rejected["error"] == {"code": "invalid_request", "message": "n=2: only n=1 is supported", "line": 4}
     assert duplicate["error"]["code"] == DUPLICATE_CUSTOM_ID
     assert failed["response"]["status_code"] == 500 and failed["error"]["line"] is None
@@ -135,6 +144,7 @@ def test_empty_leftovers_are_not_an_earlier_run(tmp_path: Path) -> None:
 
 # --- resume -----------------------------------------------------------------------------------------------
 
+
 def test_resume_collects_what_was_answered(tmp_path: Path) -> None:
     _first_run(tmp_path)
     with _open(tmp_path, resume=True) as out:
@@ -160,11 +170,14 @@ def test_resume_appends_and_keeps_every_byte(tmp_path: Path) -> None:
     assert (tmp_path / "b.output.jsonl.manifest.json").read_bytes() == manifest_before
 
 
-@pytest.mark.parametrize("torn", [
-    b'{"id": "batch_req_1", "custom_id": "r9", "resp',  # cut mid-line
-    b'{"id": "batch_req_1", "custom_id": "r9", "response": null, "error": null}',  # whole record, newline missing
-    b"\x00\x00\x00\x00\n",  # a block the file system zero-filled
-])
+@pytest.mark.parametrize(
+    "torn",
+    [
+        b'{"id": "batch_req_1", "custom_id": "r9", "resp',  # cut mid-line
+        b'{"id": "batch_req_1", "custom_id": "r9", "response": null, "error": null}',  # whole record, newline missing
+        b"\x00\x00\x00\x00\n",  # a block the file system zero-filled
+    ],
+)
 @pytest.mark.parametrize("name", ["b.output.jsonl", "b.errors.jsonl"])
 def test_torn_last_line_is_cut_and_nothing_else_changes(tmp_path: Path, torn: bytes, name: str) -> None:
     _first_run(tmp_path)

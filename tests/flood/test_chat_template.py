@@ -25,7 +25,7 @@ HOSTILE = {
     "stream": "{% for i in range(100000) %}{{ 'y' * 10000 }}{% endfor %}",
     # Doubling a string 40 times: C-level joins, stopped by the worker's memory cap.
     "double": "{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-              "{% endfor %}{{ ns.s|length }}",
+    "{% endfor %}{{ ns.s|length }}",
     "bigint": "{{ (10**4096)**4096 }}",
     # transformers' tojson is json.dumps, whose indent is built as one string of that many spaces.
     "indent": "{{ messages | tojson(indent=10**9) }}",
@@ -37,13 +37,20 @@ ESCAPES = {
     "dict_type": "{{ dict.__class__.__subclasses__() }}",
     "fn_globals": "{{ strftime_now.__globals__['os'] }}",
 }
-TEMPLATE = ("{% set c = messages[0]['content'] %}"
-            + "".join(f"{{% if c == '{name}' %}}{body}{{% endif %}}" for name, body in (HOSTILE | ESCAPES).items())
-            + CHAT_TEMPLATE)
-ERRORS = {"nested": "took longer than 0.5 s", "range6": "Range too big", "repeat": "over the limit of 100,000",
-          "stream": "produced more than 100,000 characters", "bigint": "integer of about",
-          "double": "more than 256 MiB|took longer than",  # whichever limit it reaches first
-          "indent": "more than 256 MiB"}
+TEMPLATE = (
+    "{% set c = messages[0]['content'] %}"
+    + "".join(f"{{% if c == '{name}' %}}{body}{{% endif %}}" for name, body in (HOSTILE | ESCAPES).items())
+    + CHAT_TEMPLATE
+)
+ERRORS = {
+    "nested": "took longer than 0.5 s",
+    "range6": "Range too big",
+    "repeat": "over the limit of 100,000",
+    "stream": "produced more than 100,000 characters",
+    "bigint": "integer of about",
+    "double": "more than 256 MiB|took longer than",  # whichever limit it reaches first
+    "indent": "more than 256 MiB",
+}
 
 
 def _msg(content: str) -> list[dict[str, str]]:
@@ -60,8 +67,11 @@ def test_renders_as_jinja_does(renderer: TemplateRenderer) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi ✓ \U0001f600"}]
-    expected = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-        CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    expected = (
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        .from_string(CHAT_TEMPLATE)
+        .render(messages=messages, add_generation_prompt=True)
+    )
     assert renderer.render(messages) == expected == "<|system|>Be brief.\n<|user|>hi ✓ \U0001f600\n<|assistant|>"
 
 

@@ -49,7 +49,7 @@ def full_recompute(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", ["moe-normhead", "moe-variant"])
@@ -143,8 +143,12 @@ def test_results_arrive_in_completion_order(model):
     ps = prompts(4, seed=11)
     sampling = [SamplingParams(max_tokens=n, temperature=0.0) for n in (20, 1, 10, 3)]
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024))
-    order = [r.key for r in engine.generate(GenRequest(key=i, prompt_ids=p, sampling=s)
-                                            for i, (p, s) in enumerate(zip(ps, sampling)))]
+    order = [
+        r.key
+        for r in engine.generate(
+            GenRequest(key=i, prompt_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sampling))
+        )
+    ]
     assert order == [1, 3, 2, 0]
 
 
@@ -166,16 +170,17 @@ def test_eos_stops_a_request(model):
     first = free[0].token_ids.index(eos)
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024), eos_ids=[eos])
     res = next(iter(engine.generate([GenRequest(key=0, prompt_ids=ps[0], sampling=GREEDY)])))
-    assert res.finish_reason == "stop" and res.token_ids == free[0].token_ids[:first + 1]
+    assert res.finish_reason == "stop" and res.token_ids == free[0].token_ids[: first + 1]
 
 
 def test_context_limit_and_bad_prompts_are_reported_per_request(model):
     limit = model.config.max_position_embeddings
-    reqs = [GenRequest(key="long", prompt_ids=[5] * limit, sampling=GREEDY),
-            GenRequest(key="vocab", prompt_ids=[5, 99999], sampling=GREEDY),
-            GenRequest(key="edge", prompt_ids=[5] * (limit - 3), sampling=SamplingParams(max_tokens=None,
-                                                                                          temperature=0.0)),
-            GenRequest(key="ok", prompt_ids=[5, 6], sampling=GREEDY)]
+    reqs = [
+        GenRequest(key="long", prompt_ids=[5] * limit, sampling=GREEDY),
+        GenRequest(key="vocab", prompt_ids=[5, 99999], sampling=GREEDY),
+        GenRequest(key="edge", prompt_ids=[5] * (limit - 3), sampling=SamplingParams(max_tokens=None, temperature=0.0)),
+        GenRequest(key="ok", prompt_ids=[5, 6], sampling=GREEDY),
+    ]
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=2048))
     out = {r.key: r for r in engine.generate(reqs)}
     assert out["long"].finish_reason == "error" and "context" in out["long"].error
@@ -250,7 +255,12 @@ def test_a_request_that_fails_while_sampling_fails_alone():
     assert out[3].finish_reason == "error" and out[3].internal and "cannot decode these ids" in out[3].error
     assert len(out[3].token_ids) == 2  # what it had generated when it failed
     for i in (0, 2):
-        alone = next(iter(Engine.local(poisoned, EngineConfig(kv_cache_tokens=1024)).generate(
-            [GenRequest(key=i, prompt_ids=ps[i], sampling=hot)])))
+        alone = next(
+            iter(
+                Engine.local(poisoned, EngineConfig(kv_cache_tokens=1024)).generate(
+                    [GenRequest(key=i, prompt_ids=ps[i], sampling=hot)]
+                )
+            )
+        )
         assert out[i].finish_reason == "length" and out[i].token_ids == alone.token_ids
     assert engine.alloc.used_slots == 0  # the failed requests gave their cache back

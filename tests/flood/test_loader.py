@@ -53,8 +53,9 @@ def write_sharded(directory: Path, config: LingConfig, shards: int, make) -> Non
     config.save(directory / "config.json")
 
 
-def old_load(path: Path, dtype: torch.dtype, quantize: str | None,
-             layers: tuple[int, int] | None = None) -> LingForCausalLM:
+def old_load(
+    path: Path, dtype: torch.dtype, quantize: str | None, layers: tuple[int, int] | None = None
+) -> LingForCausalLM:
     """What flood's loader did before streaming: mmap, cast, bake NormHead, quantize, cast the rest."""
     config = load_config(path)
     n = config.num_hidden_layers
@@ -101,8 +102,9 @@ def assert_same_bits(ref: LingForCausalLM, got: LingForCausalLM) -> None:
 
 
 def tiny_ckpt_of(tmp: Path, *, file_dtype: torch.dtype, tied: bool = False) -> Path:
-    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=3, norm_head=True, tie_word_embeddings=tied,
-                              initializer_range=0.2)
+    cfg = dataclasses.replace(
+        preset("tiny"), num_hidden_layers=3, norm_head=True, tie_word_embeddings=tied, initializer_range=0.2
+    )
     model = LingForCausalLM(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     path = tmp / f"tiny-{str(file_dtype)[6:]}-{'tied' if tied else 'untied'}"
@@ -113,8 +115,11 @@ def tiny_ckpt_of(tmp: Path, *, file_dtype: torch.dtype, tied: bool = False) -> P
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("loader")
-    return {"bf16": tiny_ckpt_of(tmp, file_dtype=torch.bfloat16), "f32": tiny_ckpt_of(tmp, file_dtype=torch.float32),
-            "tied": tiny_ckpt_of(tmp, file_dtype=torch.bfloat16, tied=True)}
+    return {
+        "bf16": tiny_ckpt_of(tmp, file_dtype=torch.bfloat16),
+        "f32": tiny_ckpt_of(tmp, file_dtype=torch.float32),
+        "tied": tiny_ckpt_of(tmp, file_dtype=torch.bfloat16, tied=True),
+    }
 
 
 # -- the same bits as before ------------------------------------------------------------------------------
@@ -126,8 +131,9 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_streaming_load_equals_the_mapped_path_bit_for_bit(tiny_dirs, file, dtype, quantize) -> None:
     path = tiny_dirs[file]
     # 1000-byte buffers: every matrix arrives in several pieces of whole rows
-    got, stats = load_streaming(path, load_config(path), weight_files(path), dtype=dtype, quantize=quantize,
-                                chunk_bytes=1000)
+    got, stats = load_streaming(
+        path, load_config(path), weight_files(path), dtype=dtype, quantize=quantize, chunk_bytes=1000
+    )
     assert_same_bits(old_load(path, dtype, quantize), got)
     assert stats.bytes_read == stats.bytes_needed == sum(e.nbytes for e in read_entries(path / "model.safetensors"))
 
@@ -193,14 +199,14 @@ def test_a_header_whose_offsets_lie_is_one_line(tiny_dirs, tmp_path) -> None:
     weights = path / "model.safetensors"
     raw = weights.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = next(k for k in header if k.endswith("dense.weight"))
     begin, end = header[name]["data_offsets"]
     header[name]["data_offsets"] = [begin, end - 2]  # one bf16 value short of its shape
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (n - len(text))
     assert len(text) == n
-    weights.write_bytes(raw[:8] + text + raw[8 + n:])
+    weights.write_bytes(raw[:8] + text + raw[8 + n :])
     with pytest.raises(LingctlError, match=f"{name} has offsets") as info:
         ModelDir.open(path).load(dtype=torch.float32)
     assert "\n" not in str(info.value)
@@ -208,16 +214,33 @@ def test_a_header_whose_offsets_lie_is_one_line(tiny_dirs, tmp_path) -> None:
 
 # -- at Ling-lite width: memory against the plan ----------------------------------------------------------
 
-LITE_WIDTH = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                  moe_intermediate_size=1408, num_shared_experts=2, num_experts_per_tok=6, norm_head=True,
-                  tie_word_embeddings=False, first_k_dense_replace=0, torch_dtype="bfloat16")
+LITE_WIDTH = dict(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=1408,
+    num_shared_experts=2,
+    num_experts_per_tok=6,
+    norm_head=True,
+    tie_word_embeddings=False,
+    first_k_dense_replace=0,
+    torch_dtype="bfloat16",
+)
 
 
 @pytest.fixture(scope="module")
 def lite_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Ling-lite's width with 2 layers, 8 experts and a 16k vocabulary: 0.52 GB of bf16 in 3 shards."""
-    config = LingConfig(**LITE_WIDTH, num_hidden_layers=2, num_experts=8, vocab_size=16384,
-                        pad_token_id=1, eos_token_id=1, max_position_embeddings=512)
+    config = LingConfig(
+        **LITE_WIDTH,
+        num_hidden_layers=2,
+        num_experts=8,
+        vocab_size=16384,
+        pad_token_id=1,
+        eos_token_id=1,
+        max_position_embeddings=512,
+    )
     gen = torch.Generator().manual_seed(0)
 
     def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -226,7 +249,7 @@ def lite_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out = torch.empty(shape, dtype=torch.bfloat16)
         flat = out.view(-1)
         for i in range(0, flat.numel(), 1 << 22):  # float32 randn in 16 MB chunks
-            part = flat[i:i + (1 << 22)]
+            part = flat[i : i + (1 << 22)]
             part.copy_(torch.randn(part.numel(), generator=gen) * 0.02)
         return out
 
@@ -237,8 +260,15 @@ def lite_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _batch(tmp: Path, n: int, length: int) -> Path:
     path = tmp / f"batch-{n}x{length}.jsonl"
-    rows = [{"custom_id": f"r{i}", "prompt": [(7 * i + j) % 16000 + 2 for j in range(length + 5 * i)],
-             "max_tokens": 4, "temperature": 0} for i in range(n)]
+    rows = [
+        {
+            "custom_id": f"r{i}",
+            "prompt": [(7 * i + j) % 16000 + 2 for j in range(length + 5 * i)],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -247,8 +277,19 @@ def _batch(tmp: Path, n: int, length: int) -> Path:
 def lite_run(lite_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     tmp = tmp_path_factory.mktemp("lite-run")
     batch = _batch(tmp, 3, 24)
-    res = run_lingctl("flood", "run", str(batch), "--model", str(lite_ckpt), "--quantize", "int8", "--threads", "1",
-                      "--json", timeout=300)
+    res = run_lingctl(
+        "flood",
+        "run",
+        str(batch),
+        "--model",
+        str(lite_ckpt),
+        "--quantize",
+        "int8",
+        "--threads",
+        "1",
+        "--json",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout), tmp / "batch-3x24.output.jsonl"
 
@@ -286,8 +327,7 @@ def test_a_model_too_big_is_refused_before_any_weight_byte_is_read(tmp_path) -> 
     offset = 0
     for name in sorted(shapes):
         nbytes = math.prod(shapes[name]) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shapes[name]),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)

@@ -59,7 +59,7 @@ def test_routed_experts_match_torch_and_each_row_stands_alone(kernels):
     y = kernels.moe(x, idx, w, gate_up, down)
     assert torch.allclose(y, _moe_reference(x, idx, w, gate_up, down), atol=1e-5)
     for t in (0, 39, 69):
-        assert torch.equal(kernels.moe(x[t:t + 1], idx[t:t + 1], w[t:t + 1], gate_up, down)[0], y[t])
+        assert torch.equal(kernels.moe(x[t : t + 1], idx[t : t + 1], w[t : t + 1], gate_up, down)[0], y[t])
     with pytest.raises(ValueError):
         kernels.moe(x[:1], torch.tensor([[0, 1, e]]), w[:1], gate_up, down)
     # widths whose last column block would be partial are left to torch's operators
@@ -78,29 +78,32 @@ def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):
     units = torch.tensor([[0, 1, 0, len(keys0)], [1, 16, len(keys0), len(keys1)]])
     keys = torch.tensor(keys0 + keys1)
     out = torch.zeros(20, heads, dh)
-    kernels.attention(q, k_pool, v_pool, units, keys, dh ** -0.5, out, len(keys1))
+    kernels.attention(q, k_pool, v_pool, units, keys, dh**-0.5, out, len(keys1))
 
     def sdpa(rows, slots, causal):
         kk = k_pool[slots].transpose(0, 1)[None]
         vv = v_pool[slots].transpose(0, 1)[None]
         n = len(rows)
         mask = torch.ones(n, len(slots), dtype=torch.bool).tril(len(slots) - n) if causal else None
-        return F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kk, vv, attn_mask=mask,
-                                              enable_gqa=True)[0].transpose(0, 1)
+        return F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kk, vv, attn_mask=mask, enable_gqa=True)[
+            0
+        ].transpose(0, 1)
 
     assert torch.allclose(out[0:1], sdpa([0], keys0, False), atol=1e-5)
     assert torch.allclose(out[1:17], sdpa(list(range(1, 17)), keys1, True), atol=1e-5)
     assert torch.equal(out[17:], torch.zeros(3, heads, dh))  # rows no unit covers are left alone
     alone = torch.zeros(20, heads, dh)
-    kernels.attention(q, k_pool, v_pool, units[:1], keys, dh ** -0.5, alone, len(keys0))
+    kernels.attention(q, k_pool, v_pool, units[:1], keys, dh**-0.5, alone, len(keys0))
     assert torch.equal(alone[0], out[0])
     assert math.isfinite(float(out.abs().sum()))
 
 
 def _tokens(model, prompts):
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=4096))
-    reqs = [GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=8, temperature=0.0))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=8, temperature=0.0))
+        for i, p in enumerate(prompts)
+    ]
     return {r.key: r.token_ids for r in engine.generate(reqs)}
 
 
@@ -147,8 +150,14 @@ def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
         torch.set_num_threads(threads)
         engine = Engine.local(model, EngineConfig(kv_cache_tokens=4096))
         engine.__class__ = Recording
-        list(engine.generate([GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=6, temperature=0.0))
-                              for i, p in enumerate(prompts)]))
+        list(
+            engine.generate(
+                [
+                    GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=6, temperature=0.0))
+                    for i, p in enumerate(prompts)
+                ]
+            )
+        )
         return {k: list(v) for k, v in seen.items()}
 
     try:

@@ -36,10 +36,14 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_product(shape, dtype):
     x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
     with torch.no_grad():
         whole = p(x)
-        assert torch.allclose(whole.float(), lin(x).float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
-                              atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+        assert torch.allclose(
+            whole.float(),
+            lin(x).float(),
+            rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+            atol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+        )
         for start in (0, 5, 33, 66):
-            assert torch.equal(p(x[start:start + 4]), whole[start:start + 4])
+            assert torch.equal(p(x[start : start + 4]), whole[start : start + 4])
         for rows in (4, 9, 64):
             assert torch.equal(p(x[:rows]), whole[:rows])
 
@@ -83,8 +87,9 @@ def test_a_stage_keeps_the_model_its_names_values_and_function():
         before_logits = model(ids).logits
     before = {k: v.clone() for k, v in model.state_dict().items()}
     c = model.config
-    StageModel(model, KVPool(c.num_hidden_layers, 64, c.num_key_value_heads, c.head_dim, torch.float32), 0,
-               c.num_hidden_layers)
+    StageModel(
+        model, KVPool(c.num_hidden_layers, 64, c.num_key_value_heads, c.head_dim, torch.float32), 0, c.num_hidden_layers
+    )
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -109,7 +114,7 @@ def test_input_major_experts_give_the_bits_of_the_loop_for_groups_of_four_or_mor
     with torch.no_grad():
         together = experts(x, route.topk_idx_TK, route.topk_weight_TK)
         for i in (0, 17, 39):
-            alone = experts(x[i:i + 1], route.topk_idx_TK[i:i + 1], route.topk_weight_TK[i:i + 1])
+            alone = experts(x[i : i + 1], route.topk_idx_TK[i : i + 1], route.topk_weight_TK[i : i + 1])
             assert torch.equal(alone[0], together[i])
         # the model's own dispatch on the same weights (now views of the stack) agrees to rounding
         ref, _ = block(x.unsqueeze(0))

@@ -31,15 +31,19 @@ KV = 2048
 
 # -- split_layers ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("layers", "stages", "expected"), [
-    (4, 1, [(0, 4)]),
-    (4, 2, [(0, 2), (2, 4)]),
-    (4, 3, [(0, 2), (2, 3), (3, 4)]),
-    (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
-    (5, 2, [(0, 3), (3, 5)]),
-    (7, 3, [(0, 3), (3, 5), (5, 7)]),
-    (88, 8, [(i * 11, i * 11 + 11) for i in range(8)]),
-])
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "expected"),
+    [
+        (4, 1, [(0, 4)]),
+        (4, 2, [(0, 2), (2, 4)]),
+        (4, 3, [(0, 2), (2, 3), (3, 4)]),
+        (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+        (5, 2, [(0, 3), (3, 5)]),
+        (7, 3, [(0, 3), (3, 5), (5, 7)]),
+        (88, 8, [(i * 11, i * 11 + 11) for i in range(8)]),
+    ],
+)
 def test_split_layers(layers: int, stages: int, expected: list[tuple[int, int]]) -> None:
     assert split_layers(layers, stages) == expected
 
@@ -62,6 +66,7 @@ def test_split_layers_rejects_more_stages_than_layers() -> None:
 
 
 # -- a tiny checkpoint and what one process makes of it ---------------------------------------------------
+
 
 def tiny_config() -> LingConfig:
     cfg = preset("tiny")
@@ -86,8 +91,10 @@ def requests() -> list[GenRequest]:
     prefix = torch.randint(1, 1024, (40,), generator=g).tolist()
     prompts = [torch.randint(1, 1024, (n,), generator=g).tolist() for n in (1, 3, 7, 16, 33, 60)]
     prompts += [prefix + torch.randint(1, 1024, (n,), generator=g).tolist() for n in (1, 2, 9, 16, 17, 20)]
-    return [GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=12, temperature=0.0))
-            for i, p in enumerate(prompts)]
+    return [
+        GenRequest(key=i, prompt_ids=p, sampling=SamplingParams(max_tokens=12, temperature=0.0))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def generate(engine: Engine) -> dict[int, list[int]]:
@@ -130,6 +137,7 @@ def stage_pids(before: set[int]) -> dict[int, int]:
 
 # -- real stage processes ----------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_stages_give_the_tokens_of_one_process(ckpt: Path, one_process: dict[int, list[int]], stages: int) -> None:
@@ -157,7 +165,7 @@ def test_stage_that_cannot_load_fails_fast_and_leaves_nothing(ckpt: Path, tmp_pa
     bad.mkdir()
     for f in ckpt.iterdir():
         data = f.read_bytes()
-        (bad / f.name).write_bytes(data[:len(data) // 2] if f.name == "model.safetensors" else data)
+        (bad / f.name).write_bytes(data[: len(data) // 2] if f.name == "model.safetensors" else data)
     before = children()
     started = time.monotonic()
     with pytest.raises(LingctlError, match=r"pipeline stage \d \(layers \d-\d\) failed to start: .*truncated"):
@@ -172,8 +180,10 @@ def test_dead_stage_raises_instead_of_hanging(ckpt: Path) -> None:
     runner = PipelineRunner(ckpt, stages=2, dtype=torch.float32, quantize=None, kv_cache_tokens=KV)
     engine = Engine(EngineConfig(kv_cache_tokens=KV), model_config=tiny_config(), runner=runner, eos_ids=[])
     pids = stage_pids(before)
-    long = [GenRequest(key=i, prompt_ids=[1 + i, 2, 3], sampling=SamplingParams(max_tokens=900, temperature=0.0))
-            for i in range(8)]
+    long = [
+        GenRequest(key=i, prompt_ids=[1 + i, 2, 3], sampling=SamplingParams(max_tokens=900, temperature=0.0))
+        for i in range(8)
+    ]
     killer = threading.Timer(0.5, os.kill, (pids[2], signal.SIGKILL))
     killer.start()
     started = time.monotonic()
@@ -188,11 +198,13 @@ def test_dead_stage_raises_instead_of_hanging(ckpt: Path) -> None:
 
 @pytest.mark.slow
 def test_stages_exit_when_the_scheduler_dies(ckpt: Path) -> None:
-    script = ("import os, sys, psutil, torch; from pathlib import Path; "
-              "from lingctl.flood.pipeline import PipelineRunner; "
-              "r = PipelineRunner(Path(sys.argv[1]), stages=2, dtype=torch.float32, quantize=None, "
-              "kv_cache_tokens=64); print(*[c.pid for c in psutil.Process().children()], flush=True); "
-              "os.kill(os.getpid(), 9)")
+    script = (
+        "import os, sys, psutil, torch; from pathlib import Path; "
+        "from lingctl.flood.pipeline import PipelineRunner; "
+        "r = PipelineRunner(Path(sys.argv[1]), stages=2, dtype=torch.float32, quantize=None, "
+        "kv_cache_tokens=64); print(*[c.pid for c in psutil.Process().children()], flush=True); "
+        "os.kill(os.getpid(), 9)"
+    )
     proc = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = {int(pid) for pid in proc.stdout.split()}

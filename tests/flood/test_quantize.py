@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingctl.flood.quantize import (Int8Linear, dense_weight_bytes, int8_weight_bytes, model_bytes,
-                                    quantize_model_)
+from lingctl.flood.quantize import Int8Linear, dense_weight_bytes, int8_weight_bytes, model_bytes, quantize_model_
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import Router, grouped_mm_available
@@ -63,8 +62,13 @@ def test_every_eligible_linear_replaced_router_head_and_embeddings_untouched() -
         assert isinstance(modules[name], Int8Linear), name
     assert list(linear_names(model)) == ["lm_head"]
     # Every kind the brief names is among them: attention, dense MLP, routed and shared experts.
-    for part in ("attention.query_key_value", "attention.dense", "layers.0.mlp.gate_proj",
-                 "mlp.experts.7.down_proj", "mlp.shared_experts.up_proj"):
+    for part in (
+        "attention.query_key_value",
+        "attention.dense",
+        "layers.0.mlp.gate_proj",
+        "mlp.experts.7.down_proj",
+        "mlp.shared_experts.up_proj",
+    ):
         assert any(part in name for name in eligible), part
 
     assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
@@ -175,8 +179,9 @@ def test_grouped_dispatch_reads_the_dequantised_expert_weights() -> None:
 # --- Int8Linear ---------------------------------------------------------------------------------------------
 
 
-def seeded_linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype = torch.float32,
-                  seed: int = 0) -> nn.Linear:
+def seeded_linear(
+    out_features: int, in_features: int, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias).to(dtype)
 
@@ -252,12 +257,16 @@ def test_state_dict_round_trip() -> None:
 # --- size estimates -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"use_qkv_bias": True, "use_bias": True, "tie_word_embeddings": True},
-    {"first_k_dense_replace": 0, "num_shared_experts": 0},
-    {"first_k_dense_replace": 2, "num_shared_experts": 2},
-], ids=["tiny", "biases-tied", "all-moe-no-shared", "all-dense"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"use_qkv_bias": True, "use_bias": True, "tie_word_embeddings": True},
+        {"first_k_dense_replace": 0, "num_shared_experts": 0},
+        {"first_k_dense_replace": 2, "num_shared_experts": 2},
+    ],
+    ids=["tiny", "biases-tied", "all-moe-no-shared", "all-dense"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_estimates_match_the_real_tiny_model(overrides: dict[str, object], dtype: torch.dtype) -> None:
     config = dataclasses.replace(preset("tiny"), **overrides)

@@ -43,20 +43,36 @@ def _write(tmp_path: Path, data: bytes) -> Path:
 
 # --- the two forms ---------------------------------------------------------------------------------------
 
+
 def test_batch_form_completion() -> None:
-    req = _ok(_batch_form(COMPLETIONS, model="ling-mini", prompt="Once upon", max_tokens=5, temperature=0,
-                          top_p=0.9, top_k=40, seed=7, stop=["\n\n", "END"]))
+    req = _ok(
+        _batch_form(
+            COMPLETIONS,
+            model="ling-mini",
+            prompt="Once upon",
+            max_tokens=5,
+            temperature=0,
+            top_p=0.9,
+            top_k=40,
+            seed=7,
+            stop=["\n\n", "END"],
+        )
+    )
     assert req.custom_id == "a" and req.url == COMPLETIONS and not req.is_chat
     assert req.prompt_text == "Once upon" and req.prompt_ids is None and req.messages is None
     assert req.model == "ling-mini"
-    assert req.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_p=0.9, top_k=40, seed=7,
-                                          stop=["\n\n", "END"])
+    assert req.sampling == SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop=["\n\n", "END"]
+    )
     assert isinstance(req.sampling.temperature, float)
 
 
 def test_batch_form_chat() -> None:
-    req = _ok(_batch_form(CHAT, messages=[{"role": "system", "content": "Be brief."},
-                                          {"role": "user", "content": "Hi"}], max_tokens=3))
+    req = _ok(
+        _batch_form(
+            CHAT, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], max_tokens=3
+        )
+    )
     assert req.is_chat and req.url == CHAT
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert req.prompt_text is None and req.prompt_ids is None
@@ -93,8 +109,20 @@ def test_defaults_follow_openai() -> None:
 
 
 def test_null_fields_mean_the_default() -> None:
-    req = _ok(_batch_form(COMPLETIONS, prompt="hi", max_tokens=None, temperature=None, top_p=None, top_k=None,
-                          seed=None, stop=None, n=None, model=None))
+    req = _ok(
+        _batch_form(
+            COMPLETIONS,
+            prompt="hi",
+            max_tokens=None,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            seed=None,
+            stop=None,
+            n=None,
+            model=None,
+        )
+    )
     assert req.sampling == SamplingParams()
 
 
@@ -113,11 +141,22 @@ def test_single_stop_string_becomes_a_list() -> None:
     assert _ok(_batch_form(COMPLETIONS, prompt="x", stop="###")).sampling.stop == ["###"]
 
 
-@pytest.mark.parametrize("fields", [
-    {"n": 1}, {"best_of": 1}, {"stream": False}, {"logprobs": None}, {"logprobs": False}, {"echo": False},
-    {"response_format": {"type": "text"}}, {"tools": []}, {"presence_penalty": 0}, {"suffix": None},
-    {"user": "ann", "a_future_field": {"x": 1}, "stream_options": None},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"n": 1},
+        {"best_of": 1},
+        {"stream": False},
+        {"logprobs": None},
+        {"logprobs": False},
+        {"echo": False},
+        {"response_format": {"type": "text"}},
+        {"tools": []},
+        {"presence_penalty": 0},
+        {"suffix": None},
+        {"user": "ann", "a_future_field": {"x": 1}, "stream_options": None},
+    ],
+)
 def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any]) -> None:
     _ok(_batch_form(COMPLETIONS, prompt="x", **fields))
 
@@ -127,86 +166,111 @@ def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any])
 _MSG = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize(("request_obj", "expected"), [
-    ({"custom_id": "a", "method": "GET", "url": COMPLETIONS, "body": {"prompt": "x"}},
-     'method must be POST, got "GET"'),
-    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}, 'url must be'),
-    ({"custom_id": "a", "body": {"prompt": "x"}}, "url must be /v1/completions or /v1/chat/completions, got null"),
-    ({"custom_id": "a", "url": COMPLETIONS}, "body must be a JSON object, got null"),
-    ({"custom_id": "a", "url": COMPLETIONS, "body": ["x"]}, "body must be a JSON object"),
-    (_batch_form(COMPLETIONS, messages=_MSG), "request needs prompt"),
-    (_batch_form(CHAT, prompt="x"), "request needs messages"),
-    ({"custom_id": "a", "prompt": "x", "messages": _MSG}, "not both"),
-    ({"custom_id": "a", "max_tokens": 3}, "no prompt"),
-    (_batch_form(COMPLETIONS, prompt="x", n=2), "n=2: only n=1"),
-    (_batch_form(COMPLETIONS, prompt="x", best_of=3), "best_of=3"),
-    (_batch_form(COMPLETIONS, prompt="x", stream=True), "stream=true"),
-    (_batch_form(COMPLETIONS, prompt="x", logprobs=2), "logprobs=2"),
-    (_batch_form(COMPLETIONS, prompt="x", logprobs=0), "logprobs=0"),
-    (_batch_form(CHAT, messages=_MSG, logprobs=True), "logprobs=true"),
-    (_batch_form(CHAT, messages=_MSG, top_logprobs=3), "top_logprobs=3"),
-    (_batch_form(COMPLETIONS, prompt="x", echo=True), "echo=true"),
-    (_batch_form(COMPLETIONS, prompt="x", suffix="end"), 'suffix="end"'),
-    (_batch_form(CHAT, messages=_MSG, tools=[{"type": "function"}]), "tools="),
-    (_batch_form(CHAT, messages=_MSG, functions=[{"name": "f"}]), "functions="),
-    (_batch_form(CHAT, messages=_MSG, response_format={"type": "json_object"}), "response_format="),
-    (_batch_form(COMPLETIONS, prompt="x", logit_bias={"1": 5}), "logit_bias="),
-    (_batch_form(COMPLETIONS, prompt="x", presence_penalty=0.5), "presence_penalty=0.5"),
-    (_batch_form(COMPLETIONS, prompt="x", frequency_penalty=1), "frequency_penalty=1"),
-    (_batch_form(COMPLETIONS, prompt="x", model=3), "model must be a string, got 3"),
-    (_batch_form(COMPLETIONS, prompt="x", max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
-    (_batch_form(COMPLETIONS, prompt="x", max_tokens=2.5), "max_tokens must be an integer >= 1, got 2.5"),
-    (_batch_form(COMPLETIONS, prompt="x", max_tokens=True), "max_tokens must be an integer >= 1, got true"),
-    (_batch_form(CHAT, messages=_MSG, max_completion_tokens=-1), "max_completion_tokens must be an integer"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature=2.5),
-     "temperature must be 0 (greedy) or a number from 0.0001 to 2, got 2.5"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature=-0.1), "temperature must be"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature="hot"), 'temperature must be 0 (greedy) or a number from '
-                                                              '0.0001 to 2, got "hot"'),
-    # Values the sampler cannot compute with: logits / 5e-324 is inf, a top_p under float32's range is 0.
-    (_batch_form(COMPLETIONS, prompt="x", temperature=5e-324), "temperature must be 0 (greedy) or a number "
-                                                               "from 0.0001 to 2, got 5e-324"),
-    (_batch_form(COMPLETIONS, prompt="x", temperature=1e-5), "temperature must be"),
-    (_batch_form(COMPLETIONS, prompt="x", top_p=0), "top_p must be a number from 1e-06 to 1, got 0"),
-    (_batch_form(COMPLETIONS, prompt="x", top_p=1e-100), "top_p must be a number from 1e-06 to 1, got 1e-100"),
-    (_batch_form(COMPLETIONS, prompt="x", top_p=5e-324), "top_p must be"),
-    (_batch_form(COMPLETIONS, prompt="x", top_p=1.5), "top_p must be"),
-    # A lone surrogate (JSON's "\ud800") has no UTF-8 form: wherever it is used, the request is refused.
-    (_batch_form(COMPLETIONS, prompt="a\ud800b"), "prompt is not valid Unicode: a lone surrogate \\ud800 at "
-                                                   "character 1"),
-    (_batch_form(CHAT, messages=[{"role": "user", "content": "\udfff"}]), "messages[0].content is not valid"),
-    (_batch_form(CHAT, messages=[{"role": "us\ud800er", "content": "x"}]), "messages[0].role is not valid"),
-    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "ok"},
-                                                             {"type": "text", "text": "\ud800"}]}]),
-     "messages[0].content[1].text is not valid Unicode"),
-    (_batch_form(COMPLETIONS, prompt="x", stop=["ok", "\udc00"]), "stop[1] is not valid Unicode"),
-    (_batch_form(COMPLETIONS, prompt="x", stop="\udc00"), "stop is not valid Unicode"),
-    (_batch_form(COMPLETIONS, prompt="x", model="m\ud800"), "model is not valid Unicode"),
-    (_batch_form(COMPLETIONS, prompt="x", top_k=-2), "top_k must be an integer >= 1, or -1 or 0 for off, got -2"),
-    (_batch_form(COMPLETIONS, prompt="x", top_k=2.5), "top_k must be"),
-    (_batch_form(COMPLETIONS, prompt="x", seed="7"), 'seed must be a 64-bit integer, got "7"'),
-    (_batch_form(COMPLETIONS, prompt="x", seed=1 << 64), "seed must be a 64-bit integer"),
-    (_batch_form(COMPLETIONS, prompt="x", stop=["a", "b", "c", "d", "e"]), "up to 4"),
-    (_batch_form(COMPLETIONS, prompt="x", stop=""), 'stop must be a non-empty string'),
-    (_batch_form(COMPLETIONS, prompt="x", stop=["a", ""]), 'got ["a", ""]'),
-    (_batch_form(COMPLETIONS, prompt="x", stop=3), "stop must be"),
-    (_batch_form(COMPLETIONS, prompt=["a", "b"]), "prompt must be one string or one array of token ids"),
-    (_batch_form(COMPLETIONS, prompt=[[1, 2], [3]]), "prompt must be one string or one array of token ids"),
-    (_batch_form(COMPLETIONS, prompt=3), "prompt must be one string or one array of token ids, got 3"),
-    (_batch_form(COMPLETIONS, prompt=[5, -1]), "prompt[1] must be a token id (an integer >= 0), got -1"),
-    (_batch_form(COMPLETIONS, prompt=[5, 1.5]), "prompt[1] must be a token id"),
-    (_batch_form(COMPLETIONS, prompt=""), "prompt must not be empty"),
-    (_batch_form(COMPLETIONS, prompt=[]), "prompt must not be empty"),
-    (_batch_form(CHAT, messages=[]), "messages must be a non-empty array, got []"),
-    (_batch_form(CHAT, messages="hi"), 'messages must be a non-empty array, got "hi"'),
-    (_batch_form(CHAT, messages=["hi"]), 'messages[0] must be an object, got "hi"'),
-    (_batch_form(CHAT, messages=[{"content": "hi"}]), "messages[0].role must be a non-empty string, got null"),
-    (_batch_form(CHAT, messages=[*_MSG, {"role": "user"}]), "messages[1].content must be a string or an array"),
-    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]),
-     "messages[0].content[0] must be a text part"),
-    (_batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
-     "messages[0].content[0].text must be a string, got 5"),
-])
+@pytest.mark.parametrize(
+    ("request_obj", "expected"),
+    [
+        (
+            {"custom_id": "a", "method": "GET", "url": COMPLETIONS, "body": {"prompt": "x"}},
+            'method must be POST, got "GET"',
+        ),
+        ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}, "url must be"),
+        ({"custom_id": "a", "body": {"prompt": "x"}}, "url must be /v1/completions or /v1/chat/completions, got null"),
+        ({"custom_id": "a", "url": COMPLETIONS}, "body must be a JSON object, got null"),
+        ({"custom_id": "a", "url": COMPLETIONS, "body": ["x"]}, "body must be a JSON object"),
+        (_batch_form(COMPLETIONS, messages=_MSG), "request needs prompt"),
+        (_batch_form(CHAT, prompt="x"), "request needs messages"),
+        ({"custom_id": "a", "prompt": "x", "messages": _MSG}, "not both"),
+        ({"custom_id": "a", "max_tokens": 3}, "no prompt"),
+        (_batch_form(COMPLETIONS, prompt="x", n=2), "n=2: only n=1"),
+        (_batch_form(COMPLETIONS, prompt="x", best_of=3), "best_of=3"),
+        (_batch_form(COMPLETIONS, prompt="x", stream=True), "stream=true"),
+        (_batch_form(COMPLETIONS, prompt="x", logprobs=2), "logprobs=2"),
+        (_batch_form(COMPLETIONS, prompt="x", logprobs=0), "logprobs=0"),
+        (_batch_form(CHAT, messages=_MSG, logprobs=True), "logprobs=true"),
+        (_batch_form(CHAT, messages=_MSG, top_logprobs=3), "top_logprobs=3"),
+        (_batch_form(COMPLETIONS, prompt="x", echo=True), "echo=true"),
+        (_batch_form(COMPLETIONS, prompt="x", suffix="end"), 'suffix="end"'),
+        (_batch_form(CHAT, messages=_MSG, tools=[{"type": "function"}]), "tools="),
+        (_batch_form(CHAT, messages=_MSG, functions=[{"name": "f"}]), "functions="),
+        (_batch_form(CHAT, messages=_MSG, response_format={"type": "json_object"}), "response_format="),
+        (_batch_form(COMPLETIONS, prompt="x", logit_bias={"1": 5}), "logit_bias="),
+        (_batch_form(COMPLETIONS, prompt="x", presence_penalty=0.5), "presence_penalty=0.5"),
+        (_batch_form(COMPLETIONS, prompt="x", frequency_penalty=1), "frequency_penalty=1"),
+        (_batch_form(COMPLETIONS, prompt="x", model=3), "model must be a string, got 3"),
+        (_batch_form(COMPLETIONS, prompt="x", max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+        (_batch_form(COMPLETIONS, prompt="x", max_tokens=2.5), "max_tokens must be an integer >= 1, got 2.5"),
+        (_batch_form(COMPLETIONS, prompt="x", max_tokens=True), "max_tokens must be an integer >= 1, got true"),
+        (_batch_form(CHAT, messages=_MSG, max_completion_tokens=-1), "max_completion_tokens must be an integer"),
+        (
+            _batch_form(COMPLETIONS, prompt="x", temperature=2.5),
+            "temperature must be 0 (greedy) or a number from 0.0001 to 2, got 2.5",
+        ),
+        (_batch_form(COMPLETIONS, prompt="x", temperature=-0.1), "temperature must be"),
+        (
+            _batch_form(COMPLETIONS, prompt="x", temperature="hot"),
+            'temperature must be 0 (greedy) or a number from 0.0001 to 2, got "hot"',
+        ),
+        # Values the sampler cannot compute with: logits / 5e-324 is inf, a top_p under float32's range is 0.
+        (
+            _batch_form(COMPLETIONS, prompt="x", temperature=5e-324),
+            "temperature must be 0 (greedy) or a number from 0.0001 to 2, got 5e-324",
+        ),
+        (_batch_form(COMPLETIONS, prompt="x", temperature=1e-5), "temperature must be"),
+        (_batch_form(COMPLETIONS, prompt="x", top_p=0), "top_p must be a number from 1e-06 to 1, got 0"),
+        (_batch_form(COMPLETIONS, prompt="x", top_p=1e-100), "top_p must be a number from 1e-06 to 1, got 1e-100"),
+        (_batch_form(COMPLETIONS, prompt="x", top_p=5e-324), "top_p must be"),
+        (_batch_form(COMPLETIONS, prompt="x", top_p=1.5), "top_p must be"),
+        # A lone surrogate (JSON's "\ud800") has no UTF-8 form: wherever it is used, the request is refused.
+        (
+            _batch_form(COMPLETIONS, prompt="a\ud800b"),
+            "prompt is not valid Unicode: a lone surrogate \\ud800 at character 1",
+        ),
+        (_batch_form(CHAT, messages=[{"role": "user", "content": "\udfff"}]), "messages[0].content is not valid"),
+        (_batch_form(CHAT, messages=[{"role": "us\ud800er", "content": "x"}]), "messages[0].role is not valid"),
+        (
+            _batch_form(
+                CHAT,
+                messages=[
+                    {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\ud800"}]}
+                ],
+            ),
+            "messages[0].content[1].text is not valid Unicode",
+        ),
+        (_batch_form(COMPLETIONS, prompt="x", stop=["ok", "\udc00"]), "stop[1] is not valid Unicode"),
+        (_batch_form(COMPLETIONS, prompt="x", stop="\udc00"), "stop is not valid Unicode"),
+        (_batch_form(COMPLETIONS, prompt="x", model="m\ud800"), "model is not valid Unicode"),
+        (_batch_form(COMPLETIONS, prompt="x", top_k=-2), "top_k must be an integer >= 1, or -1 or 0 for off, got -2"),
+        (_batch_form(COMPLETIONS, prompt="x", top_k=2.5), "top_k must be"),
+        (_batch_form(COMPLETIONS, prompt="x", seed="7"), 'seed must be a 64-bit integer, got "7"'),
+        (_batch_form(COMPLETIONS, prompt="x", seed=1 << 64), "seed must be a 64-bit integer"),
+        (_batch_form(COMPLETIONS, prompt="x", stop=["a", "b", "c", "d", "e"]), "up to 4"),
+        (_batch_form(COMPLETIONS, prompt="x", stop=""), "stop must be a non-empty string"),
+        (_batch_form(COMPLETIONS, prompt="x", stop=["a", ""]), 'got ["a", ""]'),
+        (_batch_form(COMPLETIONS, prompt="x", stop=3), "stop must be"),
+        (_batch_form(COMPLETIONS, prompt=["a", "b"]), "prompt must be one string or one array of token ids"),
+        (_batch_form(COMPLETIONS, prompt=[[1, 2], [3]]), "prompt must be one string or one array of token ids"),
+        (_batch_form(COMPLETIONS, prompt=3), "prompt must be one string or one array of token ids, got 3"),
+        (_batch_form(COMPLETIONS, prompt=[5, -1]), "prompt[1] must be a token id (an integer >= 0), got -1"),
+        (_batch_form(COMPLETIONS, prompt=[5, 1.5]), "prompt[1] must be a token id"),
+        (_batch_form(COMPLETIONS, prompt=""), "prompt must not be empty"),
+        (_batch_form(COMPLETIONS, prompt=[]), "prompt must not be empty"),
+        (_batch_form(CHAT, messages=[]), "messages must be a non-empty array, got []"),
+        (_batch_form(CHAT, messages="hi"), 'messages must be a non-empty array, got "hi"'),
+        (_batch_form(CHAT, messages=["hi"]), 'messages[0] must be an object, got "hi"'),
+        (_batch_form(CHAT, messages=[{"content": "hi"}]), "messages[0].role must be a non-empty string, got null"),
+        (_batch_form(CHAT, messages=[*_MSG, {"role": "user"}]), "messages[1].content must be a string or an array"),
+        (
+            _batch_form(
+                CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
+            ),
+            "messages[0].content[0] must be a text part",
+        ),
+        (
+            _batch_form(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            "messages[0].content[0].text must be a string, got 5",
+        ),
+    ],
+)
 def test_rejections_name_the_field_and_value(request_obj: dict[str, Any], expected: str) -> None:
     err = _parse(request_obj, line=7)
     assert isinstance(err, RequestError), err
@@ -247,16 +311,19 @@ def test_long_values_are_cut_short() -> None:
     assert "…" in err.message and len(err.message) < 150
 
 
-@pytest.mark.parametrize(("line", "code", "expected"), [
-    ('{"custom_id": "a", "prompt": ', INVALID_JSON, "not valid JSON"),
-    ('{"custom_id": "a", "prompt": "x", "temperature": NaN}', INVALID_JSON, "NaN is not a JSON number"),
-    ("[" * 100_000, INVALID_JSON, "nested too deeply"),
-    ('["a", "b"]', INVALID_REQUEST, 'a request must be a JSON object, got ["a", "b"]'),
-    ('"just a string"', INVALID_REQUEST, "a request must be a JSON object"),
-    ('{"prompt": "x"}', INVALID_REQUEST, "custom_id is missing"),
-    ('{"custom_id": 5, "prompt": "x"}', INVALID_REQUEST, "custom_id must be a non-empty string, got 5"),
-    ('{"custom_id": "", "prompt": "x"}', INVALID_REQUEST, 'custom_id must be a non-empty string, got ""'),
-])
+@pytest.mark.parametrize(
+    ("line", "code", "expected"),
+    [
+        ('{"custom_id": "a", "prompt": ', INVALID_JSON, "not valid JSON"),
+        ('{"custom_id": "a", "prompt": "x", "temperature": NaN}', INVALID_JSON, "NaN is not a JSON number"),
+        ("[" * 100_000, INVALID_JSON, "nested too deeply"),
+        ('["a", "b"]', INVALID_REQUEST, 'a request must be a JSON object, got ["a", "b"]'),
+        ('"just a string"', INVALID_REQUEST, "a request must be a JSON object"),
+        ('{"prompt": "x"}', INVALID_REQUEST, "custom_id is missing"),
+        ('{"custom_id": 5, "prompt": "x"}', INVALID_REQUEST, "custom_id must be a non-empty string, got 5"),
+        ('{"custom_id": "", "prompt": "x"}', INVALID_REQUEST, 'custom_id must be a non-empty string, got ""'),
+    ],
+)
 def test_lines_without_a_usable_custom_id(line: str, code: str, expected: str) -> None:
     err = parse_line(line, 3)
     assert isinstance(err, RequestError)
@@ -266,18 +333,19 @@ def test_lines_without_a_usable_custom_id(line: str, code: str, expected: str) -
 
 # --- the whole file ---------------------------------------------------------------------------------------
 
+
 def test_read_batch_line_numbers_blank_lines_and_bad_lines(tmp_path: Path) -> None:
     lines = [
-        json.dumps({"custom_id": "r1", "prompt": "one"}).encode(),                      # 1
-        b"",                                                                           # 2 blank
-        b"   \t",                                                                      # 3 whitespace only
-        b'{"custom_id": "r2", "prompt": ',                                             # 4 invalid JSON
-        b'{"custom_id": "r3", "prompt": "caf\xe9"}',                                   # 5 Latin-1, not UTF-8
-        json.dumps({"custom_id": "r1", "prompt": "again"}).encode(),                   # 6 duplicate
-        json.dumps(_batch_form(CHAT, messages=_MSG) | {"custom_id": "r4"}).encode(),   # 7
-        json.dumps({"custom_id": "r5", "prompt": "x", "n": 3}).encode(),               # 8 rejected
-        json.dumps({"custom_id": "r1", "prompt": "third"}).encode(),                   # 9 duplicate
-        "{\"custom_id\": \"r6\", \"prompt\": \"\u2028 and ü\"}".encode(),              # 10, no final newline
+        json.dumps({"custom_id": "r1", "prompt": "one"}).encode(),  # 1
+        b"",  # 2 blank
+        b"   \t",  # 3 whitespace only
+        b'{"custom_id": "r2", "prompt": ',  # 4 invalid JSON
+        b'{"custom_id": "r3", "prompt": "caf\xe9"}',  # 5 Latin-1, not UTF-8
+        json.dumps({"custom_id": "r1", "prompt": "again"}).encode(),  # 6 duplicate
+        json.dumps(_batch_form(CHAT, messages=_MSG) | {"custom_id": "r4"}).encode(),  # 7
+        json.dumps({"custom_id": "r5", "prompt": "x", "n": 3}).encode(),  # 8 rejected
+        json.dumps({"custom_id": "r1", "prompt": "third"}).encode(),  # 9 duplicate
+        '{"custom_id": "r6", "prompt": "\u2028 and ü"}'.encode(),  # 10, no final newline
     ]
     batch = read_batch(_write(tmp_path, b"\n".join(lines)))
     assert batch.lines == 8

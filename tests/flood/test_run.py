@@ -17,15 +17,16 @@ from tests.flood.conftest import CHAT_TEMPLATE
 
 LIMITS = TemplateLimits(timeout_s=0.5, grace_s=1.0)
 # The hostile part runs only for the request whose first message says so; the others render normally.
-TEMPLATE = ("{% set c = messages[0]['content'] %}"
-            "{% if c == 'nested' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-            "{% endfor %}{% endif %}"
-            "{% if c == 'range6' %}{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}"
-            "{% endif %}"
-            "{% if c == 'huge' %}{{ 'x' * 10**9 }}{% endif %}"
-            "{% if c == 'doubling' %}{% set ns = namespace(s=c) %}{% for i in range(40) %}"
-            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{% endif %}"
-            + CHAT_TEMPLATE)
+TEMPLATE = (
+    "{% set c = messages[0]['content'] %}"
+    "{% if c == 'nested' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}{% endif %}"
+    "{% if c == 'range6' %}{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}{% endfor %}"
+    "{% endif %}"
+    "{% if c == 'huge' %}{{ 'x' * 10**9 }}{% endif %}"
+    "{% if c == 'doubling' %}{% set ns = namespace(s=c) %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{% endif %}" + CHAT_TEMPLATE
+)
 HOSTILE = ["nested", "range6", "huge", "doubling"]
 
 
@@ -41,11 +42,16 @@ def _records(path: Path) -> list[dict]:
 def hostile_run(text_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FloodOptions, float]:
     tmp = tmp_path_factory.mktemp("hostile")
     (tmp / "t.jinja").write_text(TEMPLATE)
-    lines = [_chat("ok1", "the lazy dog"), *(_chat(name, name) for name in HOSTILE), _chat("ok2", "the quick"),
-             {"custom_id": "text", "prompt": "the quick brown", "max_tokens": 3, "temperature": 0}]
+    lines = [
+        _chat("ok1", "the lazy dog"),
+        *(_chat(name, name) for name in HOSTILE),
+        _chat("ok2", "the quick"),
+        {"custom_id": "text", "prompt": "the quick brown", "max_tokens": 3, "temperature": 0},
+    ]
     (tmp / "b.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    opts = FloodOptions(batch=tmp / "b.jsonl", model=text_ckpt, chat_template=tmp / "t.jinja",
-                        template_limits=LIMITS, threads=1)
+    opts = FloodOptions(
+        batch=tmp / "b.jsonl", model=text_ckpt, chat_template=tmp / "t.jinja", template_limits=LIMITS, threads=1
+    )
     started = time.monotonic()
     summary = run_batch(opts)
     seconds = time.monotonic() - started
@@ -63,8 +69,7 @@ def test_hostile_templates_fail_only_their_requests(hostile_run: tuple[Path, Flo
     assert "took longer than 0.5 s" in errors["nested"]["error"]["message"]
     assert "Range too big" in errors["range6"]["error"]["message"]
     assert "over the limit" in errors["huge"]["error"]["message"]
-    assert ("MiB" in errors["doubling"]["error"]["message"]
-            or "took longer" in errors["doubling"]["error"]["message"])
+    assert "MiB" in errors["doubling"]["error"]["message"] or "took longer" in errors["doubling"]["error"]["message"]
     # Each hostile render is bounded by its limit (0.5 s, 1.5 s at most for a killed worker); the rest of
     # the time is a tiny model. Slack for a busy machine.
     assert seconds < 60
@@ -104,7 +109,13 @@ def test_a_template_that_parses_but_does_not_compile_fails_the_run(text_ckpt: Pa
     (tmp_path / "t.jinja").write_text(nested)
     (tmp_path / "b.jsonl").write_text(json.dumps(_chat("a", "hi")) + "\n")
     with pytest.raises(LingctlError, match="the chat template does not compile: SyntaxError") as info:
-        run_batch(FloodOptions(batch=tmp_path / "b.jsonl", model=text_ckpt, chat_template=tmp_path / "t.jinja",
-                               template_limits=LIMITS, dry_run=True))
+        run_batch(
+            FloodOptions(
+                batch=tmp_path / "b.jsonl",
+                model=text_ckpt,
+                chat_template=tmp_path / "t.jinja",
+                template_limits=LIMITS,
+                dry_run=True,
+            )
+        )
     assert "\n" not in str(info.value)
-

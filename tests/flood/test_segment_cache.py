@@ -26,6 +26,7 @@ def carve(capacity: int, sizes: list[int], keep: list[bool]) -> tuple[SegmentAll
 
 # -- allocation --------------------------------------------------------------------------------------------
 
+
 def test_allocate_until_full_returns_none() -> None:
     alloc = SegmentAllocator(10, debug=True)
     assert alloc.allocate(11) is None
@@ -45,13 +46,16 @@ def test_allocate_rejects_nonpositive_size() -> None:
         alloc.allocate(0)
 
 
-@pytest.mark.parametrize(("n", "start"), [
-    (30, 0),   # 30 >= 0.75 * 40: the first block is filled well -> first-fit
-    (40, 0),   # exact fit of the first block
-    (12, 0),   # only the large block holds 12
-    (8, 60),   # 8 would leave most of the large block: best-fit picks the tight 10-slot block
-    (10, 60),  # exact fit later beats splitting the large block
-])
+@pytest.mark.parametrize(
+    ("n", "start"),
+    [
+        (30, 0),  # 30 >= 0.75 * 40: the first block is filled well -> first-fit
+        (40, 0),  # exact fit of the first block
+        (12, 0),  # only the large block holds 12
+        (8, 60),  # 8 would leave most of the large block: best-fit picks the tight 10-slot block
+        (10, 60),  # exact fit later beats splitting the large block
+    ],
+)
 def test_first_fit_when_filled_well_best_fit_otherwise(n: int, start: int) -> None:
     # free: [0, 40) large and early, [60, 70) tight and later
     alloc, _ = carve(100, [40, 20, 10, 30], [False, True, False, True])
@@ -72,20 +76,21 @@ def test_good_fit_one_means_best_fit_unless_exact() -> None:
     assert alloc.allocate(35).start == 0  # only the large block fits
     alloc, _ = carve(100, [40, 20, 10, 30], [False, True, False, True])
     alloc.good_fit = 0.1
-    assert alloc.allocate(8).start == 0   # any fill counts as good: plain first-fit
+    assert alloc.allocate(8).start == 0  # any fill counts as good: plain first-fit
 
 
 # -- extend, free, shrink ----------------------------------------------------------------------------------
+
 
 def test_extend_in_place_only_into_a_free_neighbour() -> None:
     alloc = SegmentAllocator(20, debug=True)
     a = alloc.allocate(4)
     assert alloc.extend(a, 6) and (a.start, a.length) == (0, 10)
-    b = alloc.allocate(5)                      # [10, 15): a's neighbour is now taken
+    b = alloc.allocate(5)  # [10, 15): a's neighbour is now taken
     assert not alloc.extend(a, 1) and a.length == 10
-    assert not alloc.extend(b, 6) and b.length == 5   # 5 free after b, asks for 6
+    assert not alloc.extend(b, 6) and b.length == 5  # 5 free after b, asks for 6
     assert alloc.extend(b, 5) and b.end == 20
-    assert not alloc.extend(b, 1)              # end of the pool
+    assert not alloc.extend(b, 1)  # end of the pool
     assert alloc.free_blocks() == []
 
 
@@ -94,12 +99,12 @@ def test_free_merges_left_right_and_both() -> None:
     a, b, c, d, e = (alloc.allocate(10) for _ in range(5))
     alloc.free(b)
     assert alloc.free_blocks() == [(10, 10)]
-    alloc.free(a)                              # merges with the free block on its right
+    alloc.free(a)  # merges with the free block on its right
     assert alloc.free_blocks() == [(0, 20)]
     alloc.free(d)
-    alloc.free(e)                              # merges with the free block on its left
+    alloc.free(e)  # merges with the free block on its left
     assert alloc.free_blocks() == [(0, 20), (30, 20)]
-    alloc.free(c)                              # merges both sides
+    alloc.free(c)  # merges both sides
     assert alloc.free_blocks() == [(0, 50)]
     assert alloc.used_slots == 0
 
@@ -110,7 +115,7 @@ def test_shrink_gives_back_the_tail_and_merges() -> None:
     a.used = 5
     alloc.shrink(a, 8)
     assert (a.length, alloc.free_blocks()) == (8, [(8, 22)])
-    alloc.shrink(a, 8)                         # no-op
+    alloc.shrink(a, 8)  # no-op
     for bad in (4, 9, 0):
         with pytest.raises(ValueError, match=str(bad)):
             alloc.shrink(a, bad)
@@ -133,10 +138,10 @@ def test_double_free_and_foreign_segment_raise() -> None:
 def test_check_reports_corruption() -> None:
     alloc = SegmentAllocator(10)
     alloc.allocate(4)
-    alloc._free = [(4, 3), (7, 3)]             # adjacent blocks that should have merged
+    alloc._free = [(4, 3), (7, 3)]  # adjacent blocks that should have merged
     with pytest.raises(AssertionError, match="starts at or before"):
         alloc.check()
-    alloc._free = [(3, 7)]                     # overlaps the live segment
+    alloc._free = [(3, 7)]  # overlaps the live segment
     alloc._free_slots = 7
     with pytest.raises(AssertionError, match="overlaps"):
         alloc.check()
@@ -144,15 +149,16 @@ def test_check_reports_corruption() -> None:
 
 # -- SequenceKV and grow -----------------------------------------------------------------------------------
 
+
 def test_sequence_slots_advance_and_ranges() -> None:
     prefix = Segment(start=0, length=8, used=8)
-    first = Segment(start=8, length=4, used=4)     # starts where the prefix ends: one range
+    first = Segment(start=8, length=4, used=4)  # starts where the prefix ends: one range
     second = Segment(start=20, length=6, used=1)
     seq = SequenceKV(shared=[prefix], own=[first, second])
     assert (seq.length(), seq.capacity_left()) == (13, 5)
     assert seq.ranges() == [(0, 12), (20, 21)]
     assert seq.slots_for_next(3) == [21, 22, 23]
-    assert seq.slots_for_next(3) == [21, 22, 23]   # does not advance
+    assert seq.slots_for_next(3) == [21, 22, 23]  # does not advance
     seq.advance(3)
     assert (seq.length(), seq.capacity_left(), seq.ranges()) == (16, 2, [(0, 12), (20, 24)])
     with pytest.raises(ValueError, match="3 tokens"):
@@ -170,12 +176,12 @@ def test_grow_extends_by_chunk_then_by_shortfall() -> None:
     seq = SequenceKV(shared=[], own=[alloc.allocate(4)])
     seq.advance(4)
     assert grow(alloc, seq, 1, chunk=8) is Growth.EXTENDED
-    assert seq.own[0].length == 12                 # by the chunk, not just 1
+    assert seq.own[0].length == 12  # by the chunk, not just 1
     assert grow(alloc, seq, 8, chunk=8) is Growth.FITS
     seq.advance(8)
-    gap = alloc.allocate(2)                        # [12, 14)
-    blocker = alloc.allocate(26)                   # [14, 40)
-    alloc.free(gap)                                # leave exactly 2 free after seq's segment
+    gap = alloc.allocate(2)  # [12, 14)
+    blocker = alloc.allocate(26)  # [14, 40)
+    alloc.free(gap)  # leave exactly 2 free after seq's segment
     assert grow(alloc, seq, 2, chunk=8) is Growth.EXTENDED
     assert (len(seq.own), seq.own[0].length, blocker.start) == (1, 14, 14)
 
@@ -184,10 +190,10 @@ def test_grow_appends_and_trims_the_old_tail() -> None:
     alloc = SegmentAllocator(40, debug=True)
     seq = SequenceKV(shared=[], own=[alloc.allocate(10)])
     seq.advance(6)
-    alloc.allocate(5)                              # [10, 15) blocks in-place growth
+    alloc.allocate(5)  # [10, 15) blocks in-place growth
     assert grow(alloc, seq, 6, chunk=8) is Growth.APPENDED
     old, new = seq.own
-    assert (old.length, new.length, seq.capacity_left()) == (6, 8, 8)   # tail [6, 10) given back
+    assert (old.length, new.length, seq.capacity_left()) == (6, 8, 8)  # tail [6, 10) given back
     assert seq.slots_for_next(6) == list(range(new.start, new.start + 6))
     assert (6, 4) in alloc.free_blocks()
 
@@ -196,7 +202,7 @@ def test_grow_appends_exactly_need_when_chunk_does_not_fit() -> None:
     alloc = SegmentAllocator(20, debug=True)
     seq = SequenceKV(shared=[], own=[alloc.allocate(10)])
     seq.advance(10)
-    alloc.allocate(3)                              # [10, 13); 7 free after it
+    alloc.allocate(3)  # [10, 13); 7 free after it
     assert grow(alloc, seq, 7, chunk=16) is Growth.APPENDED
     assert [(s.start, s.length) for s in seq.own] == [(0, 10), (13, 7)]
 
@@ -204,7 +210,7 @@ def test_grow_appends_exactly_need_when_chunk_does_not_fit() -> None:
 def test_grow_replaces_an_empty_last_segment() -> None:
     alloc = SegmentAllocator(30, debug=True)
     seq = SequenceKV(shared=[], own=[alloc.allocate(2)])
-    alloc.allocate(3)                              # [2, 5)
+    alloc.allocate(3)  # [2, 5)
     assert grow(alloc, seq, 10, chunk=4) is Growth.APPENDED
     assert [(s.start, s.length) for s in seq.own] == [(5, 10)]
     assert alloc.free_blocks() == [(0, 2), (15, 15)]
@@ -217,15 +223,15 @@ def test_grow_for_a_sequence_with_only_a_shared_prefix() -> None:
     seq = SequenceKV(shared=[prefix], own=[])
     assert grow(alloc, seq, 3, chunk=4) is Growth.APPENDED
     seq.advance(3)
-    assert seq.ranges() == [(0, 11)]               # allocated right after the prefix: still one range
+    assert seq.ranges() == [(0, 11)]  # allocated right after the prefix: still one range
 
 
 def test_grow_waits_and_changes_nothing() -> None:
     alloc = SegmentAllocator(20, debug=True)
     seq = SequenceKV(shared=[], own=[alloc.allocate(6)])
     seq.advance(4)
-    alloc.allocate(4)                              # [6, 10)
-    alloc.allocate(6)                              # [10, 16); 4 free at the end
+    alloc.allocate(4)  # [6, 10)
+    alloc.allocate(6)  # [10, 16); 4 free at the end
     before = (alloc.free_blocks(), [(s.start, s.length, s.used) for s in seq.own])
     assert grow(alloc, seq, 5, chunk=8) is Growth.WAIT
     assert before == (alloc.free_blocks(), [(s.start, s.length, s.used) for s in seq.own])
@@ -239,16 +245,17 @@ def test_grow_rejects_nonpositive_arguments() -> None:
 
 # -- randomized invariants ---------------------------------------------------------------------------------
 
+
 def assert_bitmap_consistent(alloc: SegmentAllocator, live: list[Segment]) -> None:
     """Independent of the allocator's own bookkeeping: paint every live segment and free block."""
     owner = bytearray(alloc.capacity)
     for seg in live:
-        assert not any(owner[seg.start:seg.end]), f"{seg} overlaps another live segment"
-        owner[seg.start:seg.end] = b"\x01" * seg.length
+        assert not any(owner[seg.start : seg.end]), f"{seg} overlaps another live segment"
+        owner[seg.start : seg.end] = b"\x01" * seg.length
     reserved = sum(owner)
     for start, length in alloc.free_blocks():
-        assert not any(owner[start:start + length]), f"free block ({start}, {length}) overlaps a live segment"
-        owner[start:start + length] = b"\x02" * length
+        assert not any(owner[start : start + length]), f"free block ({start}, {length}) overlaps a live segment"
+        owner[start : start + length] = b"\x02" * length
     assert all(owner), "a slot is neither reserved nor free"
     assert reserved == alloc.used_slots
     assert reserved + alloc.free_slots == alloc.capacity
@@ -330,6 +337,7 @@ def test_property_freeing_everything_leaves_one_block(ops: list[tuple[bool, int]
 
 
 # -- KVPool ------------------------------------------------------------------------------------------------
+
 
 def make_pool() -> KVPool:
     return KVPool(num_layers=2, capacity=32, num_kv_heads=2, head_dim=4, dtype=torch.float32)

@@ -29,18 +29,21 @@ from tests.flood.conftest import tiny_model
 needs_proc = pytest.mark.skipif(not cpu_load.PROC_STAT.exists(), reason="needs /proc/stat (Linux)")
 
 
-@pytest.mark.parametrize("usable, others, expected", [
-    (2, 0.0, 2),  # idle: use both cores
-    (2, 0.1, 2),  # a shell, a logger: still idle
-    (2, 0.4, 1),  # a core is partly taken: its barrier waits would cost more than it gives
-    (2, 0.67, 1),  # one busy competitor beside our 2 threads gets 2/3 of a core
-    (2, 1.0, 1),  # one busy competitor
-    (2, 2.0, 1),  # never fewer than one
-    (4, 1.0, 3),
-    (4, 0.0, 4),
-    (1.5, 0.0, 1),  # a cgroup quota of 1.5 cores: one whole core
-    (16, 0.0, 16),
-])
+@pytest.mark.parametrize(
+    "usable, others, expected",
+    [
+        (2, 0.0, 2),  # idle: use both cores
+        (2, 0.1, 2),  # a shell, a logger: still idle
+        (2, 0.4, 1),  # a core is partly taken: its barrier waits would cost more than it gives
+        (2, 0.67, 1),  # one busy competitor beside our 2 threads gets 2/3 of a core
+        (2, 1.0, 1),  # one busy competitor
+        (2, 2.0, 1),  # never fewer than one
+        (4, 1.0, 3),
+        (4, 0.0, 4),
+        (1.5, 0.0, 1),  # a cgroup quota of 1.5 cores: one whole core
+        (16, 0.0, 16),
+    ],
+)
 def test_choose_threads(usable: float, others: float, expected: int) -> None:
     assert choose_threads(usable, others) == expected
 
@@ -97,8 +100,9 @@ def test_adaptive_policy_follows_the_load_between_steps_and_reads_it_rarely() ->
 
 def test_a_sudden_slowdown_is_measured_at_once_in_a_fresh_window() -> None:
     clock, meter, set_to = FakeClock(), FakeMeter([0.0, 0.2, 1.0]), []
-    policy = ThreadPolicy(ThreadPolicyConfig(recheck_s=2.0, quick_window_s=0.3), set_threads=set_to.append,
-                          clock=clock, meter=meter)
+    policy = ThreadPolicy(
+        ThreadPolicyConfig(recheck_s=2.0, quick_window_s=0.3), set_threads=set_to.append, clock=clock, meter=meter
+    )
     assert policy.start() == 2
     for _ in range(20):  # steady 10 ms steps
         clock.now += 0.01
@@ -177,8 +181,14 @@ def _logits_of_a_run(model: torch.nn.Module, threads: int) -> list[torch.Tensor]
     engine.runner.result = capture  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(3)
     # 5-11 rows per step: the row counts at which fp32 products take thread-dependent kernels
-    reqs = [GenRequest(key=i, prompt_ids=torch.randint(2, 1024, (3 + i,), generator=g).tolist(),
-                       sampling=SamplingParams(max_tokens=4, temperature=0.0)) for i in range(9)]
+    reqs = [
+        GenRequest(
+            key=i,
+            prompt_ids=torch.randint(2, 1024, (3 + i,), generator=g).tolist(),
+            sampling=SamplingParams(max_tokens=4, temperature=0.0),
+        )
+        for i in range(9)
+    ]
     list(engine.generate(reqs))
     return captured
 
@@ -203,8 +213,12 @@ def test_thread_invariant_dtypes_give_the_same_logits_at_one_and_two_threads(dty
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_run_reports_its_threads_and_restores_the_count(tiny_ckpt: Path, tmp_path: Path, dtype: str) -> None:
     batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": [5, 6, 7 + i], "max_tokens": 2,
-                                         "temperature": 0}) + "\n" for i in range(2)))
+    batch.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": [5, 6, 7 + i], "max_tokens": 2, "temperature": 0}) + "\n"
+            for i in range(2)
+        )
+    )
     before = torch.get_num_threads()
     summary = run_batch(FloodOptions(batch=batch, model=tiny_ckpt, out=tmp_path / "out.jsonl", dtype=dtype))
     assert torch.get_num_threads() == before

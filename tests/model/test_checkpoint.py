@@ -16,15 +16,27 @@ from lingctl.model.checkpoint import load_checkpoint, model_state, save_checkpoi
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 
-
 TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "BPE"}}'
 
 
 def tiny_model(seed: int = 0, **overrides: object) -> LingForCausalLM:
     fields: dict[str, object] = dict(
-        vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=24, num_experts=4, num_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=12, first_k_dense_replace=1, pad_token_id=0, eos_token_id=1, torch_dtype="float32")
+        vocab_size=61,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        num_experts=4,
+        num_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        first_k_dense_replace=1,
+        pad_token_id=0,
+        eos_token_id=1,
+        torch_dtype="float32",
+    )
     fields.update(overrides)
     model = LingForCausalLM(LingConfig(**fields))  # type: ignore[arg-type]
     model.init_weights(torch.Generator().manual_seed(seed))
@@ -49,8 +61,9 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 def write_checkpoint(directory: Path, config: LingConfig, tensors: dict[str, torch.Tensor]) -> Path:
     """A checkpoint written with the reference safetensors package, not our writer."""
     directory.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
-                                metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     config.save(directory / "config.json")
     return directory
 
@@ -114,12 +127,14 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
     for shard, shard_names in shards.items():
-        safetensors.torch.save_file({n: state[n].contiguous() for n in shard_names}, str(tmp_path / shard),
-                                    metadata={"format": "pt"})
+        safetensors.torch.save_file(
+            {n: state[n].contiguous() for n in shard_names}, str(tmp_path / shard), metadata={"format": "pt"}
+        )
         weight_map.update({n: shard for n in shard_names})
     total = sum(t.numel() * t.element_size() for t in state.values())
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     model.config.save(tmp_path / "config.json")
     loaded = load_checkpoint(tmp_path)
     assert_same_tensors(loaded.state_dict(), model.state_dict())
@@ -220,12 +235,19 @@ def test_load_maps_weights_instead_of_copying(tmp_path: Path) -> None:
     size = (tmp_path / "big" / "model.safetensors").stat().st_size
     assert size > 100e6
     # A fresh process, so nothing of the build is in its memory.
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(MEASURE), str(tmp_path)], check=True,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MEASURE), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     numbers = json.loads(result.stdout)
     growth = numbers["loaded"] - numbers["before"]
-    report = (f"file {size / 1e6:.1f} MB, RSS before load {numbers['before'] / 1e6:.1f} MB, after load "
-              f"{numbers['loaded'] / 1e6:.1f} MB (+{growth / 1e6:.1f} MB), after reading every weight "
-              f"{numbers['touched'] / 1e6:.1f} MB")
+    report = (
+        f"file {size / 1e6:.1f} MB, RSS before load {numbers['before'] / 1e6:.1f} MB, after load "
+        f"{numbers['loaded'] / 1e6:.1f} MB (+{growth / 1e6:.1f} MB), after reading every weight "
+        f"{numbers['touched'] / 1e6:.1f} MB"
+    )
     assert growth < size / 2, report
     assert numbers["touched"] - numbers["before"] > size / 2, report

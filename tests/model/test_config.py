@@ -10,21 +10,49 @@ from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import PRESETS, preset
 
-
 # Keys a Hugging Face loader (vLLM, SGLang, transformers' BailingMoeConfig) needs spelled out: a missing one
 # would silently take BailingMoeConfig's class default, which differs from Ling-lite for several of them.
-HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-           "intermediate_size", "num_experts", "num_shared_experts", "num_experts_per_tok",
-           "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob", "norm_head", "rope_theta",
-           "rms_norm_eps", "vocab_size", "tie_word_embeddings", "use_bias", "use_qkv_bias",
-           "max_position_embeddings", "pad_token_id")
+HF_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_experts",
+    "num_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+    "norm_topk_prob",
+    "norm_head",
+    "rope_theta",
+    "rms_norm_eps",
+    "vocab_size",
+    "tie_word_embeddings",
+    "use_bias",
+    "use_qkv_bias",
+    "max_position_embeddings",
+    "pad_token_id",
+)
 
 
 def tiny(**overrides: object) -> LingConfig:
     fields: dict[str, object] = dict(
-        vocab_size=97, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=24, num_experts=4, num_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=12, pad_token_id=0, eos_token_id=0)
+        vocab_size=97,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        num_experts=4,
+        num_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        pad_token_id=0,
+        eos_token_id=0,
+    )
     fields.update(overrides)
     return LingConfig(**fields)  # type: ignore[arg-type]
 
@@ -32,9 +60,16 @@ def tiny(**overrides: object) -> LingConfig:
 def minimal_hf(**overrides: object) -> dict[str, object]:
     """A config.json with only the keys whose class default would not validate for a small model."""
     data: dict[str, object] = {
-        "model_type": "bailing_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "pad_token_id": 0,
+        "model_type": "bailing_moe",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "pad_token_id": 0,
     }
     data.update(overrides)
     return data
@@ -87,13 +122,16 @@ def test_wrong_model_type_is_an_error() -> None:
     assert "llama" in str(info.value)
 
 
-@pytest.mark.parametrize(("overrides", "field"), [
-    ({"num_attention_heads": 6, "num_key_value_heads": 4, "head_dim": 16}, "num_key_value_heads"),
-    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
-    ({"rope_theta": float("nan")}, "rope_theta"),
-    ({"rope_theta": -1.0}, "rope_theta"),
-    ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"num_attention_heads": 6, "num_key_value_heads": 4, "head_dim": 16}, "num_key_value_heads"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"rope_theta": float("nan")}, "rope_theta"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
+    ],
+)
 def test_invalid_shapes_name_the_field(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(UsageError) as info:
         LingConfig.from_hf_dict(minimal_hf(**overrides))
@@ -130,14 +168,17 @@ def test_preset_returns_a_copy() -> None:
 # --- parameter count --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"tie_word_embeddings": True},
-    {"first_k_dense_replace": 1},
-    {"use_bias": True, "use_qkv_bias": True},
-    {"num_shared_experts": 2, "num_hidden_layers": 3, "first_k_dense_replace": 1, "tie_word_embeddings": True},
-
-], ids=["plain", "tied", "dense-first", "biases", "mixed"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"first_k_dense_replace": 1},
+        {"use_bias": True, "use_qkv_bias": True},
+        {"num_shared_experts": 2, "num_hidden_layers": 3, "first_k_dense_replace": 1, "tie_word_embeddings": True},
+    ],
+    ids=["plain", "tied", "dense-first", "biases", "mixed"],
+)
 def test_num_parameters_equals_the_built_model(overrides: dict[str, object]) -> None:
     config = tiny(**overrides)
     model = LingForCausalLM(config)

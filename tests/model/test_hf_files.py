@@ -14,15 +14,18 @@ import pytest
 import torch
 
 from lingctl.model.checkpoint import WEIGHTS, WEIGHTS_INDEX, load_checkpoint, model_state, save_checkpoint
-from lingctl.model.hf_files import (LING_CHAT_TEMPLATE, LING_CODE_REPO, SPECIAL_TOKENS, plan_shards,
-                                    tokenizer_files)
+from lingctl.model.hf_files import LING_CHAT_TEMPLATE, LING_CODE_REPO, SPECIAL_TOKENS, plan_shards, tokenizer_files
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset
 from lingctl.train.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Who are you?"}]
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Who are you?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +116,12 @@ def test_plan_shards_keeps_order_and_never_splits_a_tensor() -> None:
 def test_tokenizer_config_of_a_given_tokenizer_is_kept(tokenizer_json: str) -> None:
     """A tokenizer_config.json that came with the tokenizer (a Hub model's) keeps its template and tokens;
     only what it lacks is filled in."""
-    base = {"chat_template": "{{ messages[0]['content'] }}", "eos_token": {"content": "<|endoftext|>"},
-            "tokenizer_class": "LlamaTokenizerFast", "custom_field": 1}
+    base = {
+        "chat_template": "{{ messages[0]['content'] }}",
+        "eos_token": {"content": "<|endoftext|>"},
+        "tokenizer_class": "LlamaTokenizerFast",
+        "custom_field": 1,
+    }
     files = tokenizer_files(tokenizer_json, model_max_length=4096, base=base)
     config = files["tokenizer_config.json"]
     assert config["chat_template"] == base["chat_template"] and config["custom_field"] == 1
@@ -132,8 +139,10 @@ def test_transformers_tokenizer_loads_eos_pad_and_ling_chat(sharded: tuple[Path,
     assert tok.eos_token_id == 0 and tok.pad_token_id == 0
     assert tok.chat_template == LING_CHAT_TEMPLATE
     prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    assert prompt == ("<role>SYSTEM</role>Answer briefly.<role>HUMAN</role>Hi there<role>ASSISTANT</role>Hello."
-                      "<role>HUMAN</role>Who are you?<role>ASSISTANT</role>")
+    assert prompt == (
+        "<role>SYSTEM</role>Answer briefly.<role>HUMAN</role>Hi there<role>ASSISTANT</role>Hello."
+        "<role>HUMAN</role>Who are you?<role>ASSISTANT</role>"
+    )
     done = tok.apply_chat_template(MESSAGES + [{"role": "assistant", "content": "A model."}], tokenize=False)
     assert done.endswith("<role>ASSISTANT</role>A model.<|endoftext|>")
     # flood renders the checkpoint's template to the same text, with the same special tokens.
@@ -144,17 +153,16 @@ def test_transformers_tokenizer_loads_eos_pad_and_ling_chat(sharded: tuple[Path,
     with TemplateRenderer(model_dir.chat_template() or "") as renderer:
         for messages in (MESSAGES, MESSAGES + [{"role": "assistant", "content": "A model."}]):
             for add in (True, False):
-                assert renderer.render(messages, add_generation_prompt=add,
-                                       special_tokens=model_dir.special_tokens()) == \
-                    tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+                assert renderer.render(
+                    messages, add_generation_prompt=add, special_tokens=model_dir.special_tokens()
+                ) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
     # The role markers are single special tokens, as on Ling's tokenizer.
     ids = tok.apply_chat_template(MESSAGES[1:2], tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert ids[0] == tok.convert_tokens_to_ids("<role>") and ids[-1] == tok.convert_tokens_to_ids("</role>")
 
 
-def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path,
-                                                          sharded: tuple[Path, LingForCausalLM]) -> None:
+def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded: tuple[Path, LingForCausalLM]) -> None:
     """transformers follows config.json's auto_map, offline, to Ling's configuration code: in a Hub repository
     in the cache (the default) and beside the weights. The configuration module is lingctl's own stand-in for
     Ling's (bench/vllm_ling_config.py); no modeling code is needed to read a config."""
@@ -170,15 +178,18 @@ def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path,
     local = tmp_path / "local"
     save_checkpoint(model, local, code_repo=None)
     shutil.copyfile(code / "configuration_bailing_moe.py", local / "configuration_bailing_moe.py")
-    script = ("import sys, json\nfrom transformers import AutoConfig\n"
-              "for p in sys.argv[1:]:\n"
-              "    c = AutoConfig.from_pretrained(p, trust_remote_code=True)\n"
-              "    print(json.dumps([type(c).__name__, c.model_type, c.num_experts, c.num_experts_per_tok,"
-              " c.hidden_size, c.norm_head]))\n")
+    script = (
+        "import sys, json\nfrom transformers import AutoConfig\n"
+        "for p in sys.argv[1:]:\n"
+        "    c = AutoConfig.from_pretrained(p, trust_remote_code=True)\n"
+        "    print(json.dumps([type(c).__name__, c.model_type, c.num_experts, c.num_experts_per_tok,"
+        " c.hidden_size, c.norm_head]))\n"
+    )
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("HF_HUB_CACHE", None)
-    res = subprocess.run([sys.executable, "-c", script, str(path), str(local)], capture_output=True, text=True,
-                         env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(local)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     c = model.config
     want = ["BailingMoeConfig", "bailing_moe", c.num_experts, c.num_experts_per_tok, c.hidden_size, c.norm_head]
@@ -187,17 +198,46 @@ def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path,
 
 # What vLLM's bailing_moe loader (vllm/model_executor/models/bailing_moe.py) reads from a checkpoint
 # directory; docs/train.md lists the same.
-VLLM_CONFIG_FIELDS = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                      "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
-                      "num_shared_experts", "norm_topk_prob", "first_k_dense_replace", "rms_norm_eps",
-                      "rope_theta", "use_bias", "use_qkv_bias", "tie_word_embeddings", "norm_head",
-                      "embedding_dropout", "torch_dtype")
-VLLM_LAYER_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                      "attention.query_key_value.weight", "attention.dense.weight")
-VLLM_MOE_WEIGHTS = ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                    "mlp.experts.{e}.down_proj.weight", "mlp.shared_experts.gate_proj.weight",
-                    "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+VLLM_CONFIG_FIELDS = (
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "num_shared_experts",
+    "norm_topk_prob",
+    "first_k_dense_replace",
+    "rms_norm_eps",
+    "rope_theta",
+    "use_bias",
+    "use_qkv_bias",
+    "tie_word_embeddings",
+    "norm_head",
+    "embedding_dropout",
+    "torch_dtype",
+)
+VLLM_LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "attention.query_key_value.weight",
+    "attention.dense.weight",
+)
+VLLM_MOE_WEIGHTS = (
+    "mlp.gate.weight",
+    "mlp.experts.{e}.gate_proj.weight",
+    "mlp.experts.{e}.up_proj.weight",
+    "mlp.experts.{e}.down_proj.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+)
 VLLM_DENSE_WEIGHTS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
@@ -215,8 +255,9 @@ def test_vllm_bailing_moe_checklist(sharded: tuple[Path, LingForCausalLM]) -> No
         if i < config["first_k_dense_replace"]:
             expected |= {f"model.layers.{i}.{w}" for w in VLLM_DENSE_WEIGHTS}
         else:
-            expected |= {f"model.layers.{i}.{w.format(e=e)}" for w in VLLM_MOE_WEIGHTS
-                         for e in range(config["num_experts"])}
+            expected |= {
+                f"model.layers.{i}.{w.format(e=e)}" for w in VLLM_MOE_WEIGHTS for e in range(config["num_experts"])
+            }
     assert names == expected
     # query_key_value is one fused matrix: q heads, then k, then v.
     q = config["num_attention_heads"] * config["head_dim"]

@@ -8,16 +8,25 @@ import torch.nn.functional as F
 from lingctl.model.config import LingConfig
 from lingctl.model.layers import MLP, Attention, RMSNorm
 
-
 EPS = 1e-6
 
 
 def gqa_config(**overrides: object) -> LingConfig:
     """H * head_dim (64) differs from hidden (48) on purpose, so a reshape that assumes they match fails."""
     fields: dict[str, object] = dict(
-        vocab_size=64, hidden_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, rope_theta=500.0,
-        pad_token_id=0, eos_token_id=0)
+        vocab_size=64,
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        rope_theta=500.0,
+        pad_token_id=0,
+        eos_token_id=0,
+    )
     fields.update(overrides)
     config = LingConfig(**fields)  # type: ignore[arg-type]
     config.validate()
@@ -68,8 +77,7 @@ def rope64(vec: torch.Tensor, pos: float, theta: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
 
 
-def reference_attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, config: LingConfig
-                        ) -> torch.Tensor:
+def reference_attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, config: LingConfig) -> torch.Tensor:
     """Ling's attention written out head by head and token by token in float64."""
     h_q, h_kv, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     group = h_q // h_kv
@@ -87,9 +95,12 @@ def reference_attention(attn: Attention, x: torch.Tensor, positions: torch.Tenso
             v_cols = slice((h_q + h_kv) * dh + g * dh, (h_q + h_kv) * dh + (g + 1) * dh)
             for si in range(s):
                 q = rope64(qkv[bi, si, q_cols], float(positions[bi, si]), config.rope_theta)
-                scores = torch.stack([
-                    q @ rope64(qkv[bi, ti, k_cols], float(positions[bi, ti]), config.rope_theta)
-                    for ti in range(si + 1)]) / math.sqrt(dh)
+                scores = torch.stack(
+                    [
+                        q @ rope64(qkv[bi, ti, k_cols], float(positions[bi, ti]), config.rope_theta)
+                        for ti in range(si + 1)
+                    ]
+                ) / math.sqrt(dh)
                 p = scores.softmax(dim=0)
                 heads[bi, si, q_cols] = sum(p[ti] * qkv[bi, ti, v_cols] for ti in range(si + 1))
     out = heads @ attn.dense.weight.double().T
@@ -124,7 +135,7 @@ def test_attention_kv_head_sharing_is_consecutive() -> None:
     with torch.no_grad():
         # Start of KV head 1's value rows in the fused weight, laid out [Q heads | K heads | V heads].
         v1 = (h_q + config.num_key_value_heads + 1) * dh
-        attn.query_key_value.weight[v1:v1 + dh].zero_()
+        attn.query_key_value.weight[v1 : v1 + dh].zero_()
         attn.dense.weight.copy_(torch.eye(48, 64))  # pass heads 0..2 (columns 0..47) through unchanged
         out = attn(torch.randn(1, 4, 48), torch.arange(4)[None])
     head = out.view(1, 4, 3, dh)

@@ -9,18 +9,35 @@ from torch import nn
 from lingctl.model.config import LingConfig
 from lingctl.model.layers import MLP
 from lingctl.model.ling import LingForCausalLM
-from lingctl.model.moe import (Router, SparseMoeBlock, dispatch_grouped, dispatch_naive, dispatch_sorted,
-                               grouped_mm_available)
-
+from lingctl.model.moe import (
+    Router,
+    SparseMoeBlock,
+    dispatch_grouped,
+    dispatch_naive,
+    dispatch_sorted,
+    grouped_mm_available,
+)
 
 needs_grouped_mm = pytest.mark.skipif(not grouped_mm_available(), reason="torch._grouped_mm not in this torch")
 
 
 def moe_config(**overrides: object) -> LingConfig:
     fields: dict[str, object] = dict(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=24, num_experts=8, num_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=12, pad_token_id=0, eos_token_id=0, norm_head=False)
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        num_experts=8,
+        num_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        pad_token_id=0,
+        eos_token_id=0,
+        norm_head=False,
+    )
     fields.update(overrides)
     config = LingConfig(**fields)  # type: ignore[arg-type]
     config.validate()
@@ -91,16 +108,23 @@ def test_router_top1_weight_is_the_raw_probability() -> None:
 Dispatcher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, nn.ModuleList], torch.Tensor]
 
 
-def run_dispatch(fn: Dispatcher, x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
-                 experts: nn.ModuleList, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def run_dispatch(
+    fn: Dispatcher,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weight: torch.Tensor,
+    experts: nn.ModuleList,
+    grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Forward and backward of one dispatch; expert grads as one flat tensor (no grad = zeros)."""
     x = x.detach().clone().requires_grad_()
     weight = weight.detach().clone().requires_grad_()
     experts.zero_grad(set_to_none=True)
     y = fn(x, idx, weight, experts)
     y.backward(grad_out)
-    expert_grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in experts.parameters()])
+    expert_grads = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in experts.parameters()]
+    )
     return y.detach(), x.grad, weight.grad, expert_grads
 
 
@@ -142,8 +166,9 @@ def test_dispatches_under_bf16_autocast(wide_moe) -> None:
     with torch.no_grad():
         reference = dispatch_naive(x, idx, weight, experts)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            outs = {fn.__name__: fn(x, idx, weight, experts)
-                    for fn in (dispatch_naive, dispatch_sorted, dispatch_grouped)}
+            outs = {
+                fn.__name__: fn(x, idx, weight, experts) for fn in (dispatch_naive, dispatch_sorted, dispatch_grouped)
+            }
     scale = reference.abs().max().item()
     for name, out in outs.items():
         assert out.dtype == torch.float32, name  # the combine is in float32 and returns x's dtype
@@ -283,8 +308,12 @@ def test_state_dict_names_are_lings() -> None:
     expected = {"model.word_embeddings.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(3):
         p = f"model.layers.{i}."
-        expected |= {p + "input_layernorm.weight", p + "attention.query_key_value.weight",
-                     p + "attention.dense.weight", p + "post_attention_layernorm.weight"}
+        expected |= {
+            p + "input_layernorm.weight",
+            p + "attention.query_key_value.weight",
+            p + "attention.dense.weight",
+            p + "post_attention_layernorm.weight",
+        }
     expected |= {f"model.layers.0.mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")}
     for i in (1, 2):
         p = f"model.layers.{i}.mlp."
@@ -343,8 +372,7 @@ def test_normalize_head_bakes_the_norm_in() -> None:
         after = model(ids).logits
     assert model.config.norm_head is False
     assert torch.equal(before, after)
-    torch.testing.assert_close(torch.linalg.vector_norm(model.lm_head.weight, dim=0), torch.ones(16),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.linalg.vector_norm(model.lm_head.weight, dim=0), torch.ones(16), atol=1e-5, rtol=0)
 
 
 def test_norm_head_forward_of_a_bf16_model() -> None:

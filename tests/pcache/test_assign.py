@@ -29,8 +29,7 @@ def _greedy_place(sizes: list[int], groups: list[int], sets: list[list[int]], to
         if len(sets[g]) == 1:
             rank_load[sets[g][0]] += s
             node_load[topo.rank_nodes[sets[g][0]]] += s
-    order = sorted((i for i in range(len(sizes)) if len(sets[groups[i]]) > 1),
-                   key=lambda i: (-sizes[i], groups[i], i))
+    order = sorted((i for i in range(len(sizes)) if len(sets[groups[i]]) > 1), key=lambda i: (-sizes[i], groups[i], i))
     for i in order:
         s, holders = sizes[i], sets[groups[i]]
         nodes = sorted({topo.rank_nodes[r] for r in holders})
@@ -56,8 +55,10 @@ def test_place_equals_one_at_a_time_greedy() -> None:
     for _ in range(300):
         nodes, per = rng.randint(1, 4), rng.randint(1, 3)
         topo = Topology.uniform(nodes, per, [rng.choice([1.0, 2.0, 3.0]) for _ in range(nodes)])
-        sets = [sorted(set(rng.sample(range(topo.world_size), rng.randint(1, topo.world_size))))
-                for _ in range(rng.randint(1, 4))]
+        sets = [
+            sorted(set(rng.sample(range(topo.world_size), rng.randint(1, topo.world_size))))
+            for _ in range(rng.randint(1, 4))
+        ]
         n = rng.randint(0, 300)
         sizes = [rng.choice([1, 2, 5, 8, 100]) for _ in range(n)]
         groups = [rng.randrange(len(sets)) for _ in range(n)]
@@ -92,7 +93,7 @@ def test_row_cuts_even_out_what_list_scheduling_leaves() -> None:
     even = place(sizes, [0] * 3, [[0, 1]], topo, rows=rows)
     assert even.node_bytes == [500, 500]
     # The cut rows are a tail range of an item written by the busier node, handed to the other.
-    (item, start, count, writer), = even.cuts
+    ((item, start, count, writer),) = even.cuts
     assert even.kept_rows[item] == start and writer != even.writers[item] and count * 10 == 100
 
 

@@ -40,9 +40,14 @@ def torch_writers(items: Items, world: int, lowest: bool = False) -> np.ndarray:
         itemsize = int(items.itemsize[i])
         whole = torch.Size([int(items.tensor_sizes[i]) // itemsize])
         item = WriteItem(
-            index=MetadataIndex(items.names[i], [0]), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=whole),
-                                        properties=TensorProperties(dtype=_DTYPES[itemsize]), size=whole))
+            index=MetadataIndex(items.names[i], [0]),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=whole),
+                properties=TensorProperties(dtype=_DTYPES[itemsize]),
+                size=whole,
+            ),
+        )
         for r in items.holders(i):
             plans[r].append(item)
     out = np.full(len(items), -1, dtype=np.int64)
@@ -56,13 +61,19 @@ def torch_writers(items: Items, world: int, lowest: bool = False) -> np.ndarray:
 
 def random_items(seed: int, world: int, n: int) -> Items:
     rng = random.Random(seed)
-    sets = [tuple(sorted(rng.sample(range(world), min(world, rng.choice([1, 2, 3, 5, world // 2, world])))))
-            for _ in range(12)]
+    sets = [
+        tuple(sorted(rng.sample(range(world), min(world, rng.choice([1, 2, 3, 5, world // 2, world])))))
+        for _ in range(12)
+    ]
     names, shapes, groups, itemsize, whole = [], [], [], [], []
     while len(names) < n:
         # Runs of equal items in one holder set (a layer's experts), of every length, with ties.
-        run, g, rows, size = rng.choice([1, 1, 2, 7, 40, 300]), rng.randrange(len(sets)), rng.choice([1, 3, 64]), \
-            rng.choice([2, 4])
+        run, g, rows, size = (
+            rng.choice([1, 1, 2, 7, 40, 300]),
+            rng.randrange(len(sets)),
+            rng.choice([1, 3, 64]),
+            rng.choice([2, 4]),
+        )
         for _ in range(run):
             names.append(f"t{len(names)}")
             shapes.append((rows, 16))
@@ -70,9 +81,16 @@ def random_items(seed: int, world: int, n: int) -> Items:
             itemsize.append(size)
             whole.append(rows * 16 * size * rng.choice([1, 1, 4]))
     sizes = [s[0] * s[1] * k for s, k in zip(shapes, itemsize)]
-    return Items(names=names, shapes=shapes, sizes=np.array(sizes), tensor_sizes=np.array(whole),
-                 itemsize=np.array(itemsize), kinds=np.zeros(len(names), dtype=np.int8), groups=np.array(groups),
-                 holder_sets=sets)
+    return Items(
+        names=names,
+        shapes=shapes,
+        sizes=np.array(sizes),
+        tensor_sizes=np.array(whole),
+        itemsize=np.array(itemsize),
+        kinds=np.zeros(len(names), dtype=np.int8),
+        groups=np.array(groups),
+        holder_sets=sets,
+    )
 
 
 @pytest.mark.parametrize("seed,world", [(0, 4), (1, 40), (2, 130)])
@@ -83,8 +101,7 @@ def test_dcp_default_matches_torch_dedup_save_plans(seed, world):
 
 
 def test_dcp_default_matches_torch_on_a_model_layout():
-    items = write_items(load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2), optimizer="adamw",
-                        dtype="bfloat16")
+    items = write_items(load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2), optimizer="adamw", dtype="bfloat16")
     assert np.array_equal(dcp_writers(items), torch_writers(items, 16))
 
 

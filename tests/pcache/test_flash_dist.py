@@ -28,24 +28,39 @@ def _state(rank: int) -> dict:
 def _save(rank: int, world: int, url: str, cache_root: str) -> dict:
     uploader = Uploader()
     durable: list[str] = []
-    result = save(_state(rank), url, cache_dir=Path(cache_root) / f"node{rank // 2}", uploader=uploader,
-                  ranks_per_node=2, chunk_bytes=64 << 10, buffer_bytes=64 << 10, on_durable=durable.append)
+    result = save(
+        _state(rank),
+        url,
+        cache_dir=Path(cache_root) / f"node{rank // 2}",
+        uploader=uploader,
+        ranks_per_node=2,
+        chunk_bytes=64 << 10,
+        buffer_bytes=64 << 10,
+        on_durable=durable.append,
+    )
     uploader.wait(timeout=120)
     uploader.close()
     return {"local": result.local_dir, "written": result.written_bytes, "durable": durable}
 
 
 def _load(rank: int, world: int, url: str, cache_dir: str) -> bool:
-    target = {"model": {k: torch.zeros_like(v) for k, v in _state(0)["model"].items()}, "step": 0,
-              f"rank{rank}.m": torch.zeros(1000 * (rank + 1))}
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in _state(0)["model"].items()},
+        "step": 0,
+        f"rank{rank}.m": torch.zeros(1000 * (rank + 1)),
+    }
     load(target, url, cache_dir=cache_dir)
     expected = _state(rank)
-    return (target["step"] == 9 and all(torch.equal(target["model"][k], v) for k, v in expected["model"].items())
-            and torch.equal(target[f"rank{rank}.m"], expected[f"rank{rank}.m"]))
+    return (
+        target["step"] == 9
+        and all(torch.equal(target["model"][k], v) for k, v in expected["model"].items())
+        and torch.equal(target[f"rank{rank}.m"], expected[f"rank{rank}.m"])
+    )
 
 
-def test_each_node_uploads_its_own_files_and_the_result_verifies(tmp_path: Path, s3_bucket: str,
-                                                                   s3_env: dict[str, str]) -> None:
+def test_each_node_uploads_its_own_files_and_the_result_verifies(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str]
+) -> None:
     url = f"s3://{s3_bucket}/run/step-9"
     results = run_workers(_save, 4, url, str(tmp_path / "cache"), timeout=180)
     assert results[0]["durable"] == [url] and all(not r["durable"] for r in results[1:])

@@ -22,13 +22,22 @@ def held(items, name: str) -> tuple[int, ...]:
     return items.holders(items.names.index(name))
 
 
-@pytest.mark.parametrize("config", [
-    preset("tiny"),
-    preset("small"),
-    dataclasses.replace(preset("tiny"), num_hidden_layers=5, first_k_dense_replace=2, tie_word_embeddings=True,
-                        use_qkv_bias=True, use_bias=True),
-    dataclasses.replace(preset("tiny"), num_hidden_layers=3, first_k_dense_replace=3),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        preset("tiny"),
+        preset("small"),
+        dataclasses.replace(
+            preset("tiny"),
+            num_hidden_layers=5,
+            first_k_dense_replace=2,
+            tie_word_embeddings=True,
+            use_qkv_bias=True,
+            use_bias=True,
+        ),
+        dataclasses.replace(preset("tiny"), num_hidden_layers=3, first_k_dense_replace=3),
+    ],
+)
 def test_preset_tensors_are_the_meta_models_parameters(config):
     with torch.device("meta"), _skip_init_mode():  # the full model, every layer built
         model = LingForCausalLM(dataclasses.replace(config))
@@ -59,19 +68,25 @@ def test_tp_pp_ep_cuts_put_shards_on_their_ranks():
 
 
 def test_order_decides_which_ranks_form_each_group():
-    items = write_items(load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2, order="tp-dp-ep-pp"),
-                        optimizer="none")
+    items = write_items(load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2, order="tp-dp-ep-pp"), optimizer="none")
     # r = tp + 2edp + 4ep + 8pp: ep 1 of stage 0 is ranks 4..7.
     assert held(items, "model.layers.1.mlp.experts.9.down_proj.weight") == (4, 5, 6, 7)
-    pp_first = write_items(load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2, order="pp-tp-ep-dp"),
-                           optimizer="none")
+    pp_first = write_items(
+        load_model("small"), Parallelism(tp=2, pp=2, dp=4, ep=2, order="pp-tp-ep-dp"), optimizer="none"
+    )
     assert held(pp_first, "model.norm.weight") == tuple(range(1, 16, 2))
 
 
-@pytest.mark.parametrize("optimizer,dtype,per_param", [
-    ("adamw", "bfloat16", 2 + 4 * 3), ("adamw", None, 4 + 4 * 2), ("sgd", "bfloat16", 2 + 4 * 2),
-    ("sgd", None, 4 + 4), ("none", "float16", 2),
-])
+@pytest.mark.parametrize(
+    "optimizer,dtype,per_param",
+    [
+        ("adamw", "bfloat16", 2 + 4 * 3),
+        ("adamw", None, 4 + 4 * 2),
+        ("sgd", "bfloat16", 2 + 4 * 2),
+        ("sgd", None, 4 + 4),
+        ("none", "float16", 2),
+    ],
+)
 def test_optimizer_state_bytes(optimizer, dtype, per_param):
     model = load_model("tiny")  # float32 preset
     items = write_items(model, Parallelism(dp=2), optimizer=optimizer, dtype=dtype)
@@ -105,13 +120,16 @@ def test_sharded_optimizer_with_tp_keeps_tp_replicas_of_replicated_tensors():
     assert held(items, "optim.state.model.norm.weight.momentum_buffer[0:128]") == (0, 1)
 
 
-@pytest.mark.parametrize("p,words", [
-    (Parallelism(dp=6, ep=4), ["ep 4", "dp 6"]),
-    (Parallelism(dp=6, ep=3), ["ep 3", "16 experts"]),
-    (Parallelism(pp=5), ["pp 5", "4 layers"]),
-    (Parallelism(tp=3), ["tp 3", "8 attention heads"]),
-    (Parallelism(order="tp-dp-pp-xx"), ["tp-dp-pp-xx"]),
-])
+@pytest.mark.parametrize(
+    "p,words",
+    [
+        (Parallelism(dp=6, ep=4), ["ep 4", "dp 6"]),
+        (Parallelism(dp=6, ep=3), ["ep 3", "16 experts"]),
+        (Parallelism(pp=5), ["pp 5", "4 layers"]),
+        (Parallelism(tp=3), ["tp 3", "8 attention heads"]),
+        (Parallelism(order="tp-dp-pp-xx"), ["tp-dp-pp-xx"]),
+    ],
+)
 def test_bad_parallelism_names_the_values(p, words):
     with pytest.raises(UsageError) as err:
         write_items(load_model("small"), p)
@@ -139,13 +157,17 @@ def test_bad_models(tmp_path):
 
 def test_tensor_list(tmp_path):
     listed = tmp_path / "tensors.json"
-    listed.write_text(json.dumps([
-        {"name": "embed_tokens.weight", "shape": [100, 8]},
-        {"name": "layers.0.mlp.experts.0.w1.weight", "shape": [16, 8], "dtype": "F32"},
-        {"name": "layers.1.mlp.experts.3.w1.weight", "shape": [16, 8]},
-        {"name": "layers.1.self_attn.o_proj.weight", "shape": [8, 8]},
-        {"name": "head.weight", "shape": [100, 8]},
-    ]))
+    listed.write_text(
+        json.dumps(
+            [
+                {"name": "embed_tokens.weight", "shape": [100, 8]},
+                {"name": "layers.0.mlp.experts.0.w1.weight", "shape": [16, 8], "dtype": "F32"},
+                {"name": "layers.1.mlp.experts.3.w1.weight", "shape": [16, 8]},
+                {"name": "layers.1.self_attn.o_proj.weight", "shape": [8, 8]},
+                {"name": "head.weight", "shape": [100, 8]},
+            ]
+        )
+    )
     model = load_model(str(listed))
     assert (model.num_layers, model.num_experts, model.num_heads) == (2, 4, None)
     assert model.tensors[1].dtype == "float32" and model.tensors[0].dtype == "bfloat16"
@@ -172,7 +194,7 @@ def test_checkpoint_directories_read_headers_in_model_order(tmp_path):
     state = {name: torch.zeros(shape, dtype=torch.float16) for name, shape in want}
     names = sorted(state)
     weight_map = {}
-    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
         file = f"model-{part:05d}.safetensors"
         with open(sharded / file, "wb") as f:
             write_safetensors(f, {n: state[n] for n in chunk})

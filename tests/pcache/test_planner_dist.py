@@ -64,24 +64,36 @@ def _save(rank: int, world: int, directory: str, slow_bps: float | None, die_aft
     if die_after is not None and rank == 1:
         threading.Timer(die_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     dcp.save(state, storage_writer=writer, planner=planner)
-    return {"summary": planner.summary, "written": writer.written_bytes, "copied": writer.buffer.copied_bytes,
-            "oversize": writer.buffer.oversize_items}
+    return {
+        "summary": planner.summary,
+        "written": writer.written_bytes,
+        "copied": writer.buffer.copied_bytes,
+        "oversize": writer.buffer.oversize_items,
+    }
 
 
 def _load(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    state: dict = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0,
-                   "optim.m": distribute_tensor(torch.zeros(SHARDED), mesh, [Shard(0)])}
+    state: dict = {
+        "model": {k: torch.zeros_like(v) for k, v in replicated().items()},
+        "step": 0,
+        "optim.m": distribute_tensor(torch.zeros(SHARDED), mesh, [Shard(0)]),
+    }
     if rank < 4:
         state[f"rank{rank}.extra"] = torch.zeros_like(rank_extra(rank))
     pcache_load(state, directory)
     expected = distribute_tensor(sharded_full(), mesh, [Shard(0)]).to_local()
     ok_model = all(torch.equal(state["model"][k], v) for k, v in replicated().items())
     ok_extra = rank >= 4 or torch.equal(state[f"rank{rank}.extra"], rank_extra(rank))
-    return {"model": ok_model, "sharded": torch.equal(state["optim.m"].to_local(), expected),
-            "local_rows": state["optim.m"].to_local().shape[0], "extra": ok_extra, "step": state["step"]}
+    return {
+        "model": ok_model,
+        "sharded": torch.equal(state["optim.m"].to_local(), expected),
+        "local_rows": state["optim.m"].to_local().shape[0],
+        "extra": ok_extra,
+        "step": state["step"],
+    }
 
 
 def _node_bytes(directory: Path) -> list[int]:
@@ -115,8 +127,12 @@ def test_bytes_per_node_are_balanced_within_two_percent(saved: tuple[Path, list[
 
 def test_stock_dcp_load_in_one_process_equals_the_saved_state(saved: tuple[Path, list[dict]]) -> None:
     directory, _ = saved
-    state = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0,
-             "optim.m": torch.zeros(SHARDED), **{f"rank{r}.extra": torch.zeros_like(rank_extra(r)) for r in range(4)}}
+    state = {
+        "model": {k: torch.zeros_like(v) for k, v in replicated().items()},
+        "step": 0,
+        "optim.m": torch.zeros(SHARDED),
+        **{f"rank{r}.extra": torch.zeros_like(rank_extra(r)) for r in range(4)},
+    }
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
     assert state["step"] == 42
     for key, value in replicated().items():
@@ -124,8 +140,11 @@ def test_stock_dcp_load_in_one_process_equals_the_saved_state(saved: tuple[Path,
     assert torch.equal(state["optim.m"], sharded_full())
     for r in range(4):
         assert torch.equal(state[f"rank{r}.extra"], rank_extra(r))
-    again = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0,
-             "optim.m": torch.zeros(SHARDED)}
+    again = {
+        "model": {k: torch.zeros_like(v) for k, v in replicated().items()},
+        "step": 0,
+        "optim.m": torch.zeros(SHARDED),
+    }
     pcache_load(again, directory)  # the verified, code-free reader reads what stock DCP reads
     assert again["step"] == 42 and torch.equal(again["optim.m"], sharded_full())
     assert all(torch.equal(again["model"][k], v) for k, v in replicated().items())
@@ -139,13 +158,15 @@ def test_reload_reshards_onto_another_world_size(saved: tuple[Path, list[dict]],
     assert sum(r["local_rows"] for r in results) == SHARDED[0]
 
 
-def test_kill_during_save_leaves_the_previous_checkpoint_loadable(saved: tuple[Path, list[dict]],
-                                                                  tmp_path: Path) -> None:
+def test_kill_during_save_leaves_the_previous_checkpoint_loadable(
+    saved: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
     previous, _ = saved
     before = {p.name: p.stat().st_mtime_ns for p in previous.iterdir()}
     broken = previous.parent / "step-2"
     # ~1 MiB per node at 0.5 MB/s: the save is well under way when rank 1 is killed.
-    with pytest.raises(Exception):
+    # The kill surfaces as the dead rank's exit, or as another rank's error when that one is seen first.
+    with pytest.raises((torch.multiprocessing.ProcessExitedException, torch.multiprocessing.ProcessRaisedException)):
         run_workers(_save, 4, str(broken), 0.5e6, 0.8, timeout=60)
     assert broken.exists() and any(broken.glob("__*.distcp"))  # it had started writing
     assert not (broken / MARKER).exists() and not (broken / METADATA).exists()

@@ -73,8 +73,9 @@ def test_a_saved_checkpoint_loads_back(checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize("payload", ["system", "exec", "inside-metadata"])
-def test_metadata_that_would_run_code_is_refused_and_runs_nothing(checkpoint: Path, tmp_path: Path,
-                                                                  payload: str) -> None:
+def test_metadata_that_would_run_code_is_refused_and_runs_nothing(
+    checkpoint: Path, tmp_path: Path, payload: str
+) -> None:
     sentinel = tmp_path / "SENTINEL"
     if payload == "inside-metadata":  # a genuine Metadata object carrying the payload in a field
         metadata = pickle.loads((checkpoint / ".metadata").read_bytes())

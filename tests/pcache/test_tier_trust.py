@@ -26,11 +26,22 @@ def _marker(files: dict) -> bytes:
     return json.dumps({"format": "lingctl-pcache", "version": 1, "files": files}).encode()
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"\xff\xfe", b"[" * 100_000, b"[]", b'{"format": "lingctl-pcache"}',
-    _marker([]), _marker({"a": []}), _marker({"a": {"size": "12"}}), _marker({"a": {"size": -1}}),
-    _marker({"a": {"size": True}}), _marker({"a": {"size": 1, "crc64nvme": 5}}),
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\xfe",
+        b"[" * 100_000,
+        b"[]",
+        b'{"format": "lingctl-pcache"}',
+        _marker([]),
+        _marker({"a": []}),
+        _marker({"a": {"size": "12"}}),
+        _marker({"a": {"size": -1}}),
+        _marker({"a": {"size": True}}),
+        _marker({"a": {"size": 1, "crc64nvme": 5}}),
+    ],
+)
 def test_parse_marker_checks_every_entry(data: bytes) -> None:
     with pytest.raises(VerificationError, match="m/pcache.json") as exc:
         parse_marker(data, "m/pcache.json")
@@ -64,8 +75,15 @@ def test_a_hostile_remote_marker_deletes_nothing(tmp_path: Path, s3_bucket: str,
     canary.write_bytes(CANARY)
     name = {"dotdot": "../../../../canary", "absolute": str(canary), "control": "x\x1b]0;owned\x07"}[hostile]
     store = open_store(url)
-    store.write(MARKER, _marker({name: {"size": 1, "crc64nvme": "crc64nvme:AAAAAAAAAAA="},
-                                 ".metadata": {"size": 3, "crc64nvme": "crc64nvme:AAAAAAAAAAA="}}))
+    store.write(
+        MARKER,
+        _marker(
+            {
+                name: {"size": 1, "crc64nvme": "crc64nvme:AAAAAAAAAAA="},
+                ".metadata": {"size": 3, "crc64nvme": "crc64nvme:AAAAAAAAAAA="},
+            }
+        ),
+    )
     (local / MARKER).unlink()  # the cached copy is stale: the read goes to the remote marker
     before = sorted(p.name for p in local.iterdir())
     with pytest.raises(UnsafeNameError) as exc:
@@ -82,8 +100,9 @@ def test_a_hostile_remote_marker_deletes_nothing(tmp_path: Path, s3_bucket: str,
 
 
 @pytest.mark.slow
-def test_upload_with_a_hostile_marker_fails_at_once_with_exit_4(tmp_path: Path, s3_bucket: str,
-                                                                 s3_env: dict[str, str], lingctl) -> None:
+def test_upload_with_a_hostile_marker_fails_at_once_with_exit_4(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], lingctl
+) -> None:
     d = tmp_path / "step-1"
     make_checkpoint(d)
     marker = json.loads((d / MARKER).read_text())
@@ -114,11 +133,13 @@ def test_status_goes_on_past_a_newer_or_garbage_marker(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="newer"):  # a reader is refused ...
         upload(root / "step-1", str(tmp_path / "shared"))
     rows = {r.name: r for r in status(root)}  # ... status reports it and goes on
-    assert {n: r.state for n, r in rows.items()} == {"step-1": "unreadable", "step-2": "unreadable",
-                                                       "step-3": "local-only"}
+    assert {n: r.state for n, r in rows.items()} == {
+        "step-1": "unreadable",
+        "step-2": "unreadable",
+        "step-3": "local-only",
+    }
     assert "marker version 2, newer than this lingctl reads" in rows["step-1"].problems[0]
     assert "not a valid lingctl-pcache marker" in rows["step-2"].problems[0]
     res = CliRunner().invoke(cli_app(), ["status", str(root), "--json"])
     assert res.exit_code == 0, res.output
     assert [c["state"] for c in json.loads(res.stdout)["checkpoints"]] == ["unreadable", "unreadable", "local-only"]
-

@@ -18,8 +18,9 @@ def _entry(data: bytes) -> dict:
     return {"size": len(data), "crc64nvme": crc64_bytes(data).tagged()}
 
 
-def make_checkpoint(directory: Path, ranks: int = 2, sizes: Sequence[int | None] | None = None, *,
-                    marker: bool = True) -> dict[str, bytes]:
+def make_checkpoint(
+    directory: Path, ranks: int = 2, sizes: Sequence[int | None] | None = None, *, marker: bool = True
+) -> dict[str, bytes]:
     """Write a checkpoint of ``ranks`` ranks into ``directory``; return name -> bytes of every file.
 
     ``sizes[r]`` is the size of rank r's data file (None: that rank writes no data file, only its sidecar).
@@ -41,8 +42,13 @@ def make_checkpoint(directory: Path, ranks: int = 2, sizes: Sequence[int | None]
     for name, data in files.items():
         (directory / name).write_bytes(data)
     if marker:
-        doc = {"format": "lingctl-pcache", "version": 1, "world_size": len(sizes), "created_unix": time.time(),
-               "files": {name: _entry(data) for name, data in sorted(files.items())}}
+        doc = {
+            "format": "lingctl-pcache",
+            "version": 1,
+            "world_size": len(sizes),
+            "created_unix": time.time(),
+            "files": {name: _entry(data) for name, data in sorted(files.items())},
+        }
         files[MARKER] = json.dumps(doc).encode()
         (directory / MARKER).write_bytes(files[MARKER])
     return files

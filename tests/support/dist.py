@@ -27,8 +27,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
@@ -40,8 +41,13 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="lingctl-dist-") as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), out_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):

@@ -39,8 +39,10 @@ Fault = Literal["503", "reset", "flip"]
 FAULTS: tuple[Fault, ...] = ("503", "reset", "flip")
 Rule = Callable[["FaultRequest"], "Fault | None"]
 
-SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n'
-                 b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
+SLOWDOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
 _BLOCK = 1 << 16
 _JOIN_TIMEOUT = 2.0
 
@@ -86,8 +88,9 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.server.proxy
         path, _, query = self.path.partition("?")
         number = proxy._count("requests")
-        request = FaultRequest(method=self.command, path=path, query=query, headers=dict(self.headers.items()),
-                               number=number)
+        request = FaultRequest(
+            method=self.command, path=path, query=query, headers=dict(self.headers.items()), number=number
+        )
         fault = proxy._rule_for(request)
         if fault == "503":
             proxy._count("injected_503")
@@ -231,8 +234,12 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:
         # Registered before the thread starts, so stop() can end connections that have not been served yet.
-        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
-                                  name=f"fault-proxy-conn-{client_address[1]}", daemon=True)
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name=f"fault-proxy-conn-{client_address[1]}",
+            daemon=True,
+        )
         if not self.proxy._track(request, thread):
             self.shutdown_request(request)
             return
@@ -275,8 +282,9 @@ class FaultProxy:
         self._server = _Server(self)
         host, port = self._server.server_address[:2]
         self.endpoint = f"http://{host}:{port}"
-        self._serve_thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                              name=f"fault-proxy-{port}", daemon=True)
+        self._serve_thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"fault-proxy-{port}", daemon=True
+        )
         self._serve_thread.start()
         return self
 

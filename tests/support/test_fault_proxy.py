@@ -77,11 +77,16 @@ def _exercise(client, bucket: str) -> None:
     assert ranged["Body"].read() == b"x" * 10
     part1, part2 = bytes(range(256)) * (5 * MiB // 256), b"tail" * 256
     upload = client.create_multipart_upload(Bucket=bucket, Key="big.bin")["UploadId"]
-    etags = [client.upload_part(Bucket=bucket, Key="big.bin", UploadId=upload, PartNumber=n, Body=body)["ETag"]
-             for n, body in ((1, part1), (2, part2))]
+    etags = [
+        client.upload_part(Bucket=bucket, Key="big.bin", UploadId=upload, PartNumber=n, Body=body)["ETag"]
+        for n, body in ((1, part1), (2, part2))
+    ]
     client.complete_multipart_upload(
-        Bucket=bucket, Key="big.bin", UploadId=upload,
-        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]})
+        Bucket=bucket,
+        Key="big.bin",
+        UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]},
+    )
     assert client.head_object(Bucket=bucket, Key="big.bin")["ContentLength"] == len(part1) + len(part2)
     assert client.get_object(Bucket=bucket, Key="big.bin")["Body"].read() == part1 + part2
     listed = client.list_objects_v2(Bucket=bucket)
@@ -117,8 +122,7 @@ def test_every_second_request_is_throttled(s3_proxy: FaultProxy, s3_bucket: str)
 
 
 @pytest.mark.slow
-def test_retries_get_through_throttling(s3_proxy: FaultProxy, s3_bucket: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retries_get_through_throttling(s3_proxy: FaultProxy, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # botocore waits up to 1 s, 2 s, ... before retrying a throttled call; the point here is that it
     # retries and succeeds, not how long it waits.
     monkeypatch.setattr("botocore.retries.standard.ExponentialBackoff.delay_amount", lambda self, ctx: 0.0)
@@ -130,8 +134,7 @@ def test_retries_get_through_throttling(s3_proxy: FaultProxy, s3_bucket: str,
 
 
 @pytest.mark.slow
-def test_reset_is_a_connection_error(s3_proxy: FaultProxy, s3_bucket: str,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reset_is_a_connection_error(s3_proxy: FaultProxy, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     client = _client(s3_proxy)
     client.put_object(Bucket=s3_bucket, Key="k", Body=b"v")
     s3_proxy.set_rule(first_n(1, "reset"))
@@ -194,14 +197,20 @@ class _Echo(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def _echo(self) -> None:
-        body = json.dumps({"method": self.command, "target": self.path, "headers": list(self.headers.items()),
-                           "body": self._raw_body().decode("latin-1")}).encode()
+        body = json.dumps(
+            {
+                "method": self.command,
+                "target": self.path,
+                "headers": list(self.headers.items()),
+                "body": self._raw_body().decode("latin-1"),
+            }
+        ).encode()
         self.send_response(200)
         if self.path.startswith("/chunked-answer"):  # an upstream that answers without a Content-Length
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             for i in range(0, len(body), 100):
-                piece = body[i:i + 100]
+                piece = body[i : i + 100]
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.wfile.write(b"0\r\n\r\n")
         else:
@@ -228,8 +237,9 @@ def echo_proxy() -> Iterator[FaultProxy]:
     assert _wait_for_thread_count(before) == before
 
 
-def _send(conn: http.client.HTTPConnection, method: str, target: str,
-          headers: list[tuple[str, str]], body: bytes = b"") -> tuple[http.client.HTTPResponse, bytes]:
+def _send(
+    conn: http.client.HTTPConnection, method: str, target: str, headers: list[tuple[str, str]], body: bytes = b""
+) -> tuple[http.client.HTTPResponse, bytes]:
     conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
     for name, value in headers:
         conn.putheader(name, value)
@@ -243,21 +253,32 @@ def test_request_is_forwarded_byte_for_byte(echo_proxy: FaultProxy) -> None:
     conn = http.client.HTTPConnection(host, timeout=5)
     rule_saw: list[FaultRequest] = []
     echo_proxy.set_rule(lambda request: rule_saw.append(request))
-    headers = [("Host", "bucket.s3.example:9000"), ("X-Amz-Date", "20250101T000000Z"), ("x-amz-meta-A", "1"),
-               ("x-amz-meta-a", "2"), ("Authorization", "AWS4-HMAC-SHA256 Credential=k/.., Signature=abc"),
-               ("Content-Length", "5")]
+    headers = [
+        ("Host", "bucket.s3.example:9000"),
+        ("X-Amz-Date", "20250101T000000Z"),
+        ("x-amz-meta-A", "1"),
+        ("x-amz-meta-a", "2"),
+        ("Authorization", "AWS4-HMAC-SHA256 Credential=k/.., Signature=abc"),
+        ("Content-Length", "5"),
+    ]
     response, body = _send(conn, "PUT", "/b/k%20ey?partNumber=1&uploadId=x%2By", headers, b"hello")
     seen = json.loads(body)
     assert response.status == 200 and response.getheader("Content-Length") == str(len(body))
     assert (seen["method"], seen["target"], seen["body"]) == ("PUT", "/b/k%20ey?partNumber=1&uploadId=x%2By", "hello")
     assert [tuple(h) for h in seen["headers"]] == headers  # order, case, repeats and Host all unchanged
-    assert (rule_saw[0].method, rule_saw[0].path, rule_saw[0].query, rule_saw[0].number) == \
-        ("PUT", "/b/k%20ey", "partNumber=1&uploadId=x%2By", 1)
+    assert (rule_saw[0].method, rule_saw[0].path, rule_saw[0].query, rule_saw[0].number) == (
+        "PUT",
+        "/b/k%20ey",
+        "partNumber=1&uploadId=x%2By",
+        1,
+    )
     assert rule_saw[0].headers["Host"] == "bucket.s3.example:9000"
 
     # A chunked (aws-chunked style) body with a trailer, on the same kept-alive connection.
-    chunked = (b"5;chunk-signature=aa\r\nhello\r\n6;chunk-signature=bb\r\n world\r\n0\r\n"
-               b"x-amz-checksum-crc64nvme: Zm9v\r\n\r\n")
+    chunked = (
+        b"5;chunk-signature=aa\r\nhello\r\n6;chunk-signature=bb\r\n world\r\n0\r\n"
+        b"x-amz-checksum-crc64nvme: Zm9v\r\n\r\n"
+    )
     headers = [("Host", host), ("Transfer-Encoding", "chunked"), ("Content-Encoding", "aws-chunked")]
     response, body = _send(conn, "PUT", "/b/chunked", headers, chunked)
     seen = json.loads(body)
@@ -281,8 +302,7 @@ def test_chunked_upstream_answer_gets_a_content_length(echo_proxy: FaultProxy) -
 def test_injected_503_drains_the_body_and_keeps_the_connection(echo_proxy: FaultProxy) -> None:
     conn = http.client.HTTPConnection(echo_proxy.endpoint.removeprefix("http://"), timeout=5)
     echo_proxy.set_rule(first_n(1))
-    response, body = _send(conn, "PUT", "/b/k", [("Host", "h"), ("Content-Length", "100000")],
-                           b"z" * 100_000)
+    response, body = _send(conn, "PUT", "/b/k", [("Host", "h"), ("Content-Length", "100000")], b"z" * 100_000)
     assert response.status == 503 and response.getheader("Content-Type") == "application/xml"
     assert b"<Code>SlowDown</Code>" in body
     response, body = _send(conn, "GET", "/after", [("Host", "h")])
@@ -325,14 +345,22 @@ def test_every_nth() -> None:
     rule = every_nth(3, "reset")
     assert [rule(r) for r in _requests(["GET"] * 7)] == [None, None, "reset", None, None, "reset", None]
     rule = every_nth(2, methods={"PUT"})
-    assert [rule(r) for r in _requests(["PUT", "GET", "PUT", "GET", "PUT", "PUT"])] == \
-        [None, None, "503", None, None, "503"]
+    assert [rule(r) for r in _requests(["PUT", "GET", "PUT", "GET", "PUT", "PUT"])] == [
+        None,
+        None,
+        "503",
+        None,
+        None,
+        "503",
+    ]
 
 
 def test_every_nth_once_fails_a_distinct_request_once() -> None:
     rule = every_nth_once(2)
-    req = [FaultRequest(method="GET", path=f"/b/{p}", query=q, headers={}, number=i)
-           for i, (p, q) in enumerate([("a", ""), ("b", ""), ("b", ""), ("a", "x=1"), ("c", ""), ("a", "x=1")], 1)]
+    req = [
+        FaultRequest(method="GET", path=f"/b/{p}", query=q, headers={}, number=i)
+        for i, (p, q) in enumerate([("a", ""), ("b", ""), ("b", ""), ("a", "x=1"), ("c", ""), ("a", "x=1")], 1)
+    ]
     # distinct requests a, b, a?x=1, c: the 2nd (b) and 4th (c) fail on their first attempt only
     assert [rule(r) for r in req] == [None, "503", None, None, "503", None]
 
@@ -355,8 +383,16 @@ def test_fraction_is_deterministic() -> None:
     assert run(fraction(1.0, fault="reset")) == ["reset"] * 200
 
 
-@pytest.mark.parametrize("make", [lambda: every_nth(0), lambda: first_n(-1), lambda: fraction(1.5),
-                                  lambda: every_nth(2, "timeout"), lambda: FaultProxy("https://x:1")])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: every_nth(0),
+        lambda: first_n(-1),
+        lambda: fraction(1.5),
+        lambda: every_nth(2, "timeout"),
+        lambda: FaultProxy("https://x:1"),
+    ],
+)
 def test_bad_arguments(make) -> None:
     with pytest.raises(ValueError):
         make()

@@ -37,8 +37,9 @@ def training_loop() -> None:
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 1)),
-                                       batch_size=8)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randn(64, 1)), batch_size=8
+    )
     while True:
         for x, y in data:
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -62,8 +63,9 @@ def stuck_in_c() -> None:
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def start(procs: list[subprocess.Popen], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     procs.append(p)
     return p
 
@@ -133,8 +135,9 @@ def test_snapshot_of_a_traced_process(own_ring: RingWriter) -> None:
     assert (t["rank"], t["world"], t["local_rank"], t["step"], t["enabled"]) == (3, 8, 1, 3, True)
     assert t["inside"]["kind"] == "collective" and t["inside"]["op"] == "all_reduce"
     assert t["inside"]["group"] == "0" and t["inside"]["seq"] == 3 and t["inside"]["for_s"] < 1
-    assert t["groups"] == [{"name": "0", "size": 8, "started_seq": 3, "completed_seq": -1, "in_flight": True,
-                            "last_op": "all_reduce"}]
+    assert t["groups"] == [
+        {"name": "0", "size": 8, "started_seq": 3, "completed_seq": -1, "in_flight": True, "last_op": "all_reduce"}
+    ]
     assert t["heartbeat_age_s"] < 1
     b = t["breakdown"]
     assert b["steps"] == 2 and b["last_step"] == 2
@@ -186,8 +189,9 @@ def test_a_pid_that_is_not_a_process_id_is_a_usage_error(lingctl) -> None:
 
     r = lingctl("timer", "attach", "--pid", "-5")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == ["lingctl: error: pid -5 is not a process id (process ids are positive "
-                                             "numbers)"]
+    assert r.stderr.strip().splitlines() == [
+        "lingctl: error: pid -5 is not a process id (process ids are positive numbers)"
+    ]
     for pid in ("0", "-1"):  # kill() would take these for process groups
         r = attach_cli("--pid", pid, "--once")
         assert isinstance(r.exception, UsageError) and r.exception.exit_code == 2, pid
@@ -261,8 +265,10 @@ def test_untraced_process_says_what_it_cannot_see(procs) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = ("import sys, time; t = time.perf_counter(); import lingctl.commands.timer, lingctl.timer.attach, "
-            "lingctl.timer.diagnose; print('torch' in sys.modules, time.perf_counter() - t)")
+    code = (
+        "import sys, time; t = time.perf_counter(); import lingctl.commands.timer, lingctl.timer.attach, "
+        "lingctl.timer.diagnose; print('torch' in sys.modules, time.perf_counter() - t)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     loaded, seconds = r.stdout.split()
     assert loaded == "False" and float(seconds) < 1.0
@@ -287,9 +293,13 @@ def test_attach_once_json_on_a_live_training_loop(procs) -> None:
 def test_attach_streams_json_lines_until_interrupted(procs) -> None:
     p = start(procs, "-m", "tests.timer.test_attach", "loop")
     wait_for_ring(p.pid, steps=2)
-    viewer = subprocess.Popen([sys.executable, "-m", "lingctl", "timer", "attach", "--pid", str(p.pid), "--json",
-                               "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    viewer = subprocess.Popen(
+        [sys.executable, "-m", "lingctl", "timer", "attach", "--pid", str(p.pid), "--json", "--interval", "0.2"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs.append(viewer)
     lines = [json.loads(viewer.stdout.readline()) for _ in range(3)]
     viewer.send_signal(signal.SIGINT)

@@ -20,29 +20,82 @@ S = 1_000_000_000
 NOW = 1_000 * S
 
 
-def header(rank: int, world: int, *, step: int = 5, kind: Kind | int = 0, op: Op = Op.NONE, since_s: float = 0.0,
-           groups: list[GroupState] = (), heartbeat_age_s: float = 0.1) -> Header:
-    return Header(pid=1000 + rank, create_time=0.0, rank=rank, world=world, local_rank=rank, capacity=1024,
-                  write_index=0, heartbeat_ns=NOW - int(heartbeat_age_s * S), mono_anchor_ns=0, wall_anchor_ns=0,
-                  step=step, step_start_ns=NOW - 2 * S, cur_kind=int(kind), cur_op=int(op),
-                  cur_group=0 if kind == Kind.COLLECTIVE else NO_GROUP, cur_seq=12 if kind == Kind.COLLECTIVE else 0,
-                  cur_since_ns=NOW - int(since_s * S), enabled=True, argv="train.py", groups=list(groups))
+def header(
+    rank: int,
+    world: int,
+    *,
+    step: int = 5,
+    kind: Kind | int = 0,
+    op: Op = Op.NONE,
+    since_s: float = 0.0,
+    groups: list[GroupState] = (),
+    heartbeat_age_s: float = 0.1,
+) -> Header:
+    return Header(
+        pid=1000 + rank,
+        create_time=0.0,
+        rank=rank,
+        world=world,
+        local_rank=rank,
+        capacity=1024,
+        write_index=0,
+        heartbeat_ns=NOW - int(heartbeat_age_s * S),
+        mono_anchor_ns=0,
+        wall_anchor_ns=0,
+        step=step,
+        step_start_ns=NOW - 2 * S,
+        cur_kind=int(kind),
+        cur_op=int(op),
+        cur_group=0 if kind == Kind.COLLECTIVE else NO_GROUP,
+        cur_seq=12 if kind == Kind.COLLECTIVE else 0,
+        cur_since_ns=NOW - int(since_s * S),
+        enabled=True,
+        argv="train.py",
+        groups=list(groups),
+    )
 
 
-def live_rank(rank: int, world: int, *, started: int, completed: int, in_flight: bool, waited_s: float = 0.0,
-              kind: Kind | int = 0, since_s: float = 0.0, records: list[Record] | None = None,
-              op: Op = Op.ALL_REDUCE) -> RankData:
+def live_rank(
+    rank: int,
+    world: int,
+    *,
+    started: int,
+    completed: int,
+    in_flight: bool,
+    waited_s: float = 0.0,
+    kind: Kind | int = 0,
+    since_s: float = 0.0,
+    records: list[Record] | None = None,
+    op: Op = Op.ALL_REDUCE,
+) -> RankData:
     seq = GroupSeq(started, completed, in_flight, NOW - int(waited_s * S), int(op), world)
     state = GroupState(0, "0", world, int(op), in_flight, started, completed, seq.started_ns)
-    h = header(rank, world, kind=kind, op=op if kind == Kind.COLLECTIVE else Op.NONE, since_s=since_s,
-               groups=[state] if started >= 0 else [])
-    return RankData(rank=rank, pid=h.pid, world=world, records=records or [], group_names={0: "0"},
-                    groups={"0": seq} if started >= 0 else {}, mono_anchor_ns=0, wall_anchor_ns=0, header=h)
+    h = header(
+        rank,
+        world,
+        kind=kind,
+        op=op if kind == Kind.COLLECTIVE else Op.NONE,
+        since_s=since_s,
+        groups=[state] if started >= 0 else [],
+    )
+    return RankData(
+        rank=rank,
+        pid=h.pid,
+        world=world,
+        records=records or [],
+        group_names={0: "0"},
+        groups={"0": seq} if started >= 0 else {},
+        mono_anchor_ns=0,
+        wall_anchor_ns=0,
+        header=h,
+    )
 
 
 def test_hang_names_the_rank_that_never_arrived_and_where_it_is() -> None:
-    ranks = [live_rank(r, 4, started=12, completed=11, in_flight=True, waited_s=30.0, kind=Kind.COLLECTIVE,
-                       since_s=30.0) for r in (0, 1, 3)]
+    ranks = [
+        live_rank(r, 4, started=12, completed=11, in_flight=True, waited_s=30.0, kind=Kind.COLLECTIVE, since_s=30.0)
+        for r in (0, 1, 3)
+    ]
     ranks.append(live_rank(2, 4, started=11, completed=11, in_flight=False, kind=Kind.FORWARD, since_s=31.0))
     d = analyse(ranks, stacks=False, now_ns=NOW)
     assert d.verdict == "hang"
@@ -67,8 +120,10 @@ def test_a_rank_that_never_reached_the_first_collective_never_arrived() -> None:
 
 
 def test_short_waits_are_not_a_hang() -> None:
-    ranks = [live_rank(0, 2, started=4, completed=3, in_flight=True, waited_s=0.2),
-             live_rank(1, 2, started=3, completed=3, in_flight=False)]
+    ranks = [
+        live_rank(0, 2, started=4, completed=3, in_flight=True, waited_s=0.2),
+        live_rank(1, 2, started=3, completed=3, in_flight=False),
+    ]
     d = analyse(ranks, stacks=False, now_ns=NOW, hang_after_s=5.0)
     assert d.verdict == "ok" and d.groups[0].never_arrived == [1]
     assert analyse(ranks, stacks=False, now_ns=NOW, hang_after_s=0.1).verdict == "hang"
@@ -82,15 +137,27 @@ def test_everyone_inside_the_same_collective_blames_the_collective() -> None:
 
 
 def test_different_collectives_at_the_same_sequence_number_are_reported() -> None:
-    ranks = [live_rank(0, 2, started=7, completed=6, in_flight=True, waited_s=60.0),
-             live_rank(1, 2, started=7, completed=6, in_flight=True, waited_s=60.0, op=Op.BROADCAST)]
+    ranks = [
+        live_rank(0, 2, started=7, completed=6, in_flight=True, waited_s=60.0),
+        live_rank(1, 2, started=7, completed=6, in_flight=True, waited_s=60.0, op=Op.BROADCAST),
+    ]
     d = analyse(ranks, stacks=False, now_ns=NOW)
     assert d.verdict == "hang" and d.groups[0].mismatched_ops == {1: "broadcast"}
     assert "rank 1 broadcast" in d.summary
 
 
-def steps(n: int, *, data_ms: float = 5, fwd_ms: float = 20, bwd_ms: float = 30, ar_ms: float = 4,
-          late_ms: float = 0, slow_ar_ms: float = 0, jitter_ms: float = 0.0, offset_ns: int = 0) -> list[Record]:
+def steps(
+    n: int,
+    *,
+    data_ms: float = 5,
+    fwd_ms: float = 20,
+    bwd_ms: float = 30,
+    ar_ms: float = 4,
+    late_ms: float = 0,
+    slow_ar_ms: float = 0,
+    jitter_ms: float = 0.0,
+    offset_ns: int = 0,
+) -> list[Record]:
     """``n`` synchronous steps on one rank. Every rank's all_reduce ``k`` ends at the same wall time; a rank with
     more data/compute (``late_ms``) starts it later and waits less. ``offset_ns`` shifts its monotonic clock."""
     out = []
@@ -100,26 +167,40 @@ def steps(n: int, *, data_ms: float = 5, fwd_ms: float = 20, bwd_ms: float = 30,
         ar_end = t0 + int(80 * MS)
         ar_start = ar_end - int((ar_ms + 20 - late_ms + slow_ar_ms + (k % 3) * jitter_ms) * MS)
         fwd_start = t0 + int(data_ms * MS)
-        out += [Record(Kind.DATA, 0, NO_GROUP, 0, t0, fwd_start, 0),
-                Record(Kind.FORWARD, 0, NO_GROUP, 0, fwd_start, fwd_start + int(fwd_ms * MS), 0),
-                Record(Kind.BACKWARD, 0, NO_GROUP, 0, fwd_start + int(fwd_ms * MS), ar_start, 0),
-                Record(Kind.COLLECTIVE, Op.ALL_REDUCE, 0, k, ar_start, ar_end, 4096),
-                Record(Kind.OPTIMIZER, 0, NO_GROUP, 0, ar_end, ar_end + 2 * MS, 0),
-                Record(Kind.STEP, 0, NO_GROUP, k, t0, t0 + period, 0)]
+        out += [
+            Record(Kind.DATA, 0, NO_GROUP, 0, t0, fwd_start, 0),
+            Record(Kind.FORWARD, 0, NO_GROUP, 0, fwd_start, fwd_start + int(fwd_ms * MS), 0),
+            Record(Kind.BACKWARD, 0, NO_GROUP, 0, fwd_start + int(fwd_ms * MS), ar_start, 0),
+            Record(Kind.COLLECTIVE, Op.ALL_REDUCE, 0, k, ar_start, ar_end, 4096),
+            Record(Kind.OPTIMIZER, 0, NO_GROUP, 0, ar_end, ar_end + 2 * MS, 0),
+            Record(Kind.STEP, 0, NO_GROUP, k, t0, t0 + period, 0),
+        ]
     return out
 
 
 def finished_rank(rank: int, world: int, records: list[Record], *, offset_ns: int = 0) -> RankData:
     """A rank read from its log: clocks aligned through its anchors (monotonic ``offset_ns`` = wall 0)."""
     last = max(r.seq for r in records if r.kind == Kind.COLLECTIVE)
-    return RankData(rank=rank, pid=None, world=world, records=records, group_names={0: "0"},
-                    groups={"0": GroupSeq(last, last, False, 0, int(Op.ALL_REDUCE))}, mono_anchor_ns=offset_ns,
-                    wall_anchor_ns=0, source="log", alive=False)
+    return RankData(
+        rank=rank,
+        pid=None,
+        world=world,
+        records=records,
+        group_names={0: "0"},
+        groups={"0": GroupSeq(last, last, False, 0, int(Op.ALL_REDUCE))},
+        mono_anchor_ns=offset_ns,
+        wall_anchor_ns=0,
+        source="log",
+        alive=False,
+    )
 
 
 def test_slow_data_loading_makes_a_data_straggler() -> None:
-    ranks = [finished_rank(0, 3, steps(12, jitter_ms=1)), finished_rank(2, 3, steps(12, jitter_ms=2)),
-             finished_rank(1, 3, steps(12, data_ms=20, late_ms=15), offset_ns=10**12)]
+    ranks = [
+        finished_rank(0, 3, steps(12, jitter_ms=1)),
+        finished_rank(2, 3, steps(12, jitter_ms=2)),
+        finished_rank(1, 3, steps(12, data_ms=20, late_ms=15), offset_ns=10**12),
+    ]
     ranks[2].records = steps(12, data_ms=20, late_ms=15, offset_ns=10**12)
     d = analyse(ranks, stacks=False)
     assert d.verdict == "straggler"
@@ -138,8 +219,11 @@ def test_slow_forward_makes_a_compute_straggler() -> None:
 
 
 def test_even_arrivals_with_one_slow_link_is_communication() -> None:
-    ranks = [finished_rank(0, 3, steps(8)), finished_rank(1, 3, steps(8)),
-             finished_rank(2, 3, steps(8, ar_ms=4, slow_ar_ms=30, late_ms=30))]
+    ranks = [
+        finished_rank(0, 3, steps(8)),
+        finished_rank(1, 3, steps(8)),
+        finished_rank(2, 3, steps(8, ar_ms=4, slow_ar_ms=30, late_ms=30)),
+    ]
     # rank 2 starts as early as its compute allows (late_ms cancels slow_ar_ms) but its collectives last longer
     ranks[2].records = steps(8, bwd_ms=0, slow_ar_ms=30)
     d = analyse(ranks, stacks=False)
@@ -165,7 +249,6 @@ def test_missing_ranks_are_noted() -> None:
     assert any("rank(s) 2, 3 of 4" in n for n in d.notes)
 
 
-
 def test_a_finished_job_is_read_from_its_logs(tmp_path: Path) -> None:
     from lingctl.timer.diagnose import diagnose
     from tests.timer.test_export import write_run
@@ -178,8 +261,9 @@ def test_a_finished_job_is_read_from_its_logs(tmp_path: Path) -> None:
     assert [r.pid for r in d.ranks] == [900_000, 900_001, 900_002]
     assert any("ignored pid 899999 (also rank 0)" in n for n in d.notes)
     assert all(r.source == "log" and r.step == 10 for r in d.ranks)
-    assert d.ranks[0].where == ("on elsewhere: read from its log, no live state; its last finished traced call was "
-                                "optimizer")
+    assert d.ranks[0].where == (
+        "on elsewhere: read from its log, no live state; its last finished traced call was optimizer"
+    )
     assert d.verdict == "straggler" and d.straggler.rank == 1 and d.straggler.category == "data"
     assert d.groups[0].seq == 9 and d.groups[0].waiting == {} and d.groups[0].never_arrived == []
     from lingctl.commands.timer import app
@@ -272,8 +356,14 @@ def start_job(procs: list, out: Path, world: int, mode: str, steps: int) -> list
     port = free_port()
     ranks = []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
         ranks.append(start(procs, "-m", "tests.timer.test_diagnose", str(out), mode, str(steps), env=env))
     return ranks
 
@@ -329,8 +419,11 @@ def test_four_rank_hang_names_the_rank_that_never_arrived(procs, tmp_path, monke
     r2 = d.ranks[2]
     assert r2.source == "ring" and not r2.alive and r2.heartbeat_age_s is None and r2.stacks is None
     assert r2.where.startswith("exited; its ring shows it was in forward for ") and "optimizer" not in r2.where
-    assert all(r.where.startswith(f"exited; its ring shows it was in all_reduce #{steps_before} of group 0")
-               for r in d.ranks if r.rank != 2)
+    assert all(
+        r.where.startswith(f"exited; its ring shows it was in all_reduce #{steps_before} of group 0")
+        for r in d.ranks
+        if r.rank != 2
+    )
 
 
 @pytest.mark.slow

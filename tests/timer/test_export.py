@@ -16,18 +16,40 @@ from lingctl.timer.ring import NO_GROUP, RECORD, Kind, Op, Record
 MS = 1_000_000
 
 
-def write_run(out: Path, *, rank: int, pid: int, records: list[Record], world: int = 2, mono_anchor_ns: int = 0,
-              wall_anchor_ns: int = 0, groups: dict[str, int] | None = None, frames: int = 2) -> None:
+def write_run(
+    out: Path,
+    *,
+    rank: int,
+    pid: int,
+    records: list[Record],
+    world: int = 2,
+    mono_anchor_ns: int = 0,
+    wall_anchor_ns: int = 0,
+    groups: dict[str, int] | None = None,
+    frames: int = 2,
+) -> None:
     """A rank's files as the tracer writes them: raw records in several zstd frames, and the meta JSON."""
     log = f"rank-{rank}.{pid}.trace.zst"
     raw = [RECORD.pack(r.kind, r.op, r.group, r.seq, r.start_ns, r.end_ns, r.value) for r in records]
     cut = len(raw) // frames
-    chunks = [raw[i * cut:(i + 1) * cut] if i < frames - 1 else raw[i * cut:] for i in range(frames)]
+    chunks = [raw[i * cut : (i + 1) * cut] if i < frames - 1 else raw[i * cut :] for i in range(frames)]
     (out / log).write_bytes(b"".join(zstandard.ZstdCompressor().compress(b"".join(c)) for c in chunks))
-    meta = {"pid": pid, "rank": rank, "world": world, "local_rank": rank, "argv": "train.py", "hostname": "elsewhere",
-            "ring": f"/nonexistent/{pid}.ring", "stacks": f"/nonexistent/{pid}.stacks", "log": log,
-            "mono_anchor_ns": mono_anchor_ns, "wall_anchor_ns": wall_anchor_ns,
-            "groups": groups if groups is not None else {"0": 0}, "targets": ["collectives"], "capacity": 1024}
+    meta = {
+        "pid": pid,
+        "rank": rank,
+        "world": world,
+        "local_rank": rank,
+        "argv": "train.py",
+        "hostname": "elsewhere",
+        "ring": f"/nonexistent/{pid}.ring",
+        "stacks": f"/nonexistent/{pid}.stacks",
+        "log": log,
+        "mono_anchor_ns": mono_anchor_ns,
+        "wall_anchor_ns": wall_anchor_ns,
+        "groups": groups if groups is not None else {"0": 0},
+        "targets": ["collectives"],
+        "capacity": 1024,
+    }
     (out / f"rank-{rank}.{pid}.meta.json").write_text(json.dumps(meta))
 
 
@@ -36,9 +58,11 @@ def two_steps(shift_ns: int) -> list[Record]:
     out = []
     for k in range(2):
         t = k * 10 * MS + shift_ns
-        out += [Record(Kind.FORWARD, 0, NO_GROUP, k, t, t + 4 * MS, 0),
-                Record(Kind.COLLECTIVE, Op.ALL_REDUCE, 0, k, t + 5 * MS, t + 9 * MS, 4096),
-                Record(Kind.STEP, 0, NO_GROUP, k, t, t + 10 * MS, 0)]
+        out += [
+            Record(Kind.FORWARD, 0, NO_GROUP, k, t, t + 4 * MS, 0),
+            Record(Kind.COLLECTIVE, Op.ALL_REDUCE, 0, k, t + 5 * MS, t + 9 * MS, 4096),
+            Record(Kind.STEP, 0, NO_GROUP, k, t, t + 10 * MS, 0),
+        ]
     return out
 
 

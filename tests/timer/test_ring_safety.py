@@ -66,8 +66,12 @@ def test_a_ring_directory_open_to_others_is_refused_by_writers_and_readers(rings
 
     rings.mkdir()
     rings.chmod(0o777)
-    for attempt in (start_tracer, lambda: RingWriter(ring_path(os.getpid()), capacity=16), collect_stale,
-                    collect_stale_files):
+    for attempt in (
+        start_tracer,
+        lambda: RingWriter(ring_path(os.getpid()), capacity=16),
+        collect_stale,
+        collect_stale_files,
+    ):
         with pytest.raises(AccessDeniedError, match="open to other users"):
             attempt()
     r = CliRunner().invoke(app, ["attach", "--pid", str(os.getpid()), "--once"])
@@ -75,9 +79,25 @@ def test_a_ring_directory_open_to_others_is_refused_by_writers_and_readers(rings
     assert stat.S_IMODE(os.stat(rings).st_mode) == 0o777 and list(rings.iterdir()) == []  # refused, not "fixed"
 
     marker = tmp_path / "ran"  # `timer run` refuses before it starts the command
-    r = subprocess.run([sys.executable, "-m", "lingctl", "timer", "run", "--out", str(tmp_path / "out"), "--",
-                        sys.executable, "-c", f"open({str(marker)!r}, 'w')"], env=lingctl_env(rings),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lingctl",
+            "timer",
+            "run",
+            "--out",
+            str(tmp_path / "out"),
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        ],
+        env=lingctl_env(rings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert lines[0] == f"lingctl: error: {rings} is open to other users (mode 0777); refusing to use it"
@@ -126,8 +146,9 @@ def test_a_new_ring_directory_is_private(rings: Path) -> None:
 
 # -- links planted in our own directory -----------------------------------------------------------------------
 @pytest.mark.parametrize("name", [".lock", "{pid}.stacks"])
-def test_a_link_planted_where_the_tracer_creates_a_file_is_refused(rings: Path, victim: Path, tmp_path: Path,
-                                                                   name: str) -> None:
+def test_a_link_planted_where_the_tracer_creates_a_file_is_refused(
+    rings: Path, victim: Path, tmp_path: Path, name: str
+) -> None:
     rings.mkdir(mode=0o700)
     planted = rings / name.format(pid=os.getpid())
     planted.symlink_to(victim)
@@ -200,15 +221,32 @@ def test_readers_never_follow_links(rings: Path, victim: Path, tmp_path: Path) -
     assert not any(os.path.lexists(rings / n) for n in (f"{dead}.ring", f"{dead}.stacks"))
 
 
-def test_timer_run_with_a_planted_lock_link_runs_untraced_and_touches_nothing(rings: Path, victim: Path,
-                                                                             tmp_path: Path) -> None:
+def test_timer_run_with_a_planted_lock_link_runs_untraced_and_touches_nothing(
+    rings: Path, victim: Path, tmp_path: Path
+) -> None:
     rings.mkdir(mode=0o700)
     (rings / ".lock").symlink_to(victim)
     marker = tmp_path / "ran"
     code = f"from lingctl.timer.tracer import current; open({str(marker)!r}, 'w').write(str(current()))"
-    r = subprocess.run([sys.executable, "-m", "lingctl", "timer", "run", "--out", str(tmp_path / "out"), "--",
-                        sys.executable, "-c", code], env=lingctl_env(rings), capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lingctl",
+            "timer",
+            "run",
+            "--out",
+            str(tmp_path / "out"),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        env=lingctl_env(rings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert marker.read_text() == "None"  # the program ran, untraced
     assert f"lingctl timer: tracing not installed: {rings / '.lock'} is a symbolic link" in r.stderr

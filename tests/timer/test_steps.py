@@ -10,13 +10,23 @@ from lingctl.timer.steps import breakdown, step_times
 MS = 1_000_000
 
 
-def rec(kind: Kind, start_ms: float, end_ms: float, *, op: Op = Op.NONE, group: int = 0xFFFF, seq: int = 0,
-        value: int = 0) -> Record:
+def rec(
+    kind: Kind, start_ms: float, end_ms: float, *, op: Op = Op.NONE, group: int = 0xFFFF, seq: int = 0, value: int = 0
+) -> Record:
     return Record(int(kind), int(op), group, seq, int(start_ms * MS), int(end_ms * MS), value)
 
 
-def training_step(step: int, t0: float, *, data: float = 10, fwd: float = 20, bwd: float = 40, ar: float = 15,
-                  opt: float = 5, gap: float = 2) -> list[Record]:
+def training_step(
+    step: int,
+    t0: float,
+    *,
+    data: float = 10,
+    fwd: float = 20,
+    bwd: float = 40,
+    ar: float = 15,
+    opt: float = 5,
+    gap: float = 2,
+) -> list[Record]:
     """data, gap, forward, gap, backward with an all_reduce inside its tail, gap, optimizer, gap."""
     t = t0
     out = [rec(Kind.DATA, t, t + data)]
@@ -36,8 +46,14 @@ def test_parts_are_innermost_and_add_up_exactly() -> None:
     records = training_step(1, 0.0)
     (s,) = step_times(records)
     assert s.step == 1 and s.duration_ns == 83 * MS
-    assert s.parts_ns == {"data": 10 * MS, "forward": 20 * MS, "backward": 25 * MS, "all_reduce": 15 * MS,
-                          "optimizer": 5 * MS, "other": 8 * MS}
+    assert s.parts_ns == {
+        "data": 10 * MS,
+        "forward": 20 * MS,
+        "backward": 25 * MS,
+        "all_reduce": 15 * MS,
+        "optimizer": 5 * MS,
+        "other": 8 * MS,
+    }
     assert sum(s.parts_ns.values()) == s.duration_ns
 
 
@@ -65,9 +81,11 @@ def test_summary_over_the_last_n_steps() -> None:
 
 def test_calls_crossing_step_boundaries_are_clipped_and_gaps_between_steps_ignored() -> None:
     records = [
-        rec(Kind.STEP, 0, 10, seq=1), rec(Kind.STEP, 15, 25, seq=2),
+        rec(Kind.STEP, 0, 10, seq=1),
+        rec(Kind.STEP, 15, 25, seq=2),
         rec(Kind.DATA, 8, 18),  # 2 ms in step 1, 3 in the gap, 3 in step 2
-        rec(Kind.COPY, 20, 21), rec(Kind.P2P, 21, 22, op=Op.SEND, group=1, seq=3),
+        rec(Kind.COPY, 20, 21),
+        rec(Kind.P2P, 21, 22, op=Op.SEND, group=1, seq=3),
     ]
     s1, s2 = step_times(records)
     assert s1.parts_ns == {"other": 8 * MS, "data": 2 * MS}
@@ -77,7 +95,8 @@ def test_calls_crossing_step_boundaries_are_clipped_and_gaps_between_steps_ignor
 def test_equal_starts_go_to_the_shorter_call_and_partial_overlaps_to_the_later_start() -> None:
     records = [
         rec(Kind.STEP, 0, 100, seq=1),
-        rec(Kind.BACKWARD, 10, 50), rec(Kind.COLLECTIVE, 10, 20, op=Op.BROADCAST, group=0, seq=1),
+        rec(Kind.BACKWARD, 10, 50),
+        rec(Kind.COLLECTIVE, 10, 20, op=Op.BROADCAST, group=0, seq=1),
         rec(Kind.COLLECTIVE, 45, 60, op=Op.BARRIER, group=0, seq=2),  # from another thread: not nested
     ]
     (s,) = step_times(records)

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from lingctl.core.net import free_port
 from lingctl.timer.launch import INJECT_DIR, run_traced, traced_env
 from lingctl.timer.logs import find_runs, read_log
-from lingctl.core.net import free_port
 from lingctl.timer.ring import Kind, Op, RingReader, collect_stale, ring_path
-from lingctl.timer.tracer import (DEFAULT_TARGETS, collect_stale_files, log_path, parse_targets, read_stacks,
-                                  stacks_path)
+from lingctl.timer.tracer import DEFAULT_TARGETS, collect_stale_files, log_path, parse_targets, read_stacks, stacks_path
 
 TRAIN = """
 import json, os, sys, time
@@ -159,8 +158,13 @@ def procs() -> Iterator[list[subprocess.Popen]]:
 
 
 def start(procs: list[subprocess.Popen], script: Path, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs.append(proc)
     return proc
 
@@ -225,19 +229,24 @@ def test_training_loop_is_traced_and_logged(tmp_path: Path, procs: list[subproce
     assert len(logged) > end
 
 
-def test_ranks_learned_from_init_process_group_and_collectives_line_up(tmp_path: Path,
-                                                                       procs: list[subprocess.Popen]) -> None:
+def test_ranks_learned_from_init_process_group_and_collectives_line_up(
+    tmp_path: Path, procs: list[subprocess.Popen]
+) -> None:
     script, out, port = write(tmp_path, "ranks.py", TWO_RANKS), tmp_path / "out", str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     for rank in (0, 1):
-        procs.append(subprocess.Popen([sys.executable, str(script), str(out), port, str(rank)], env=env,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(out), port, str(rank)], env=env, stderr=subprocess.PIPE, text=True
+            )
+        )
     for proc in procs:
         assert proc.wait(timeout=90) == 0, proc.stderr.read()
     runs = find_runs(out)
     assert [(m["rank"], m["world"], m["rank_source"]) for m in runs] == [(0, 2, "dist"), (1, 2, "dist")]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        name for m in runs for name in (Path(m["meta_path"]).name, Path(m["log_path"]).name))
+        name for m in runs for name in (Path(m["meta_path"]).name, Path(m["log_path"]).name)
+    )
     ops = []
     for m in runs:
         records = [r for r in read_log(Path(m["log_path"])) if r.kind == Kind.COLLECTIVE]
@@ -273,8 +282,9 @@ def test_stacks_of_a_process_stuck_in_c_holding_the_gil(tmp_path: Path, procs: l
 
 
 @pytest.mark.parametrize("how", ["append", "mmap"])
-def test_internal_error_disables_tracing_with_one_warning(tmp_path: Path, procs: list[subprocess.Popen],
-                                                          how: str) -> None:
+def test_internal_error_disables_tracing_with_one_warning(
+    tmp_path: Path, procs: list[subprocess.Popen], how: str
+) -> None:
     proc = start(procs, write(tmp_path, "broken.py", BROKEN), how)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -289,12 +299,16 @@ def test_internal_error_disables_tracing_with_one_warning(tmp_path: Path, procs:
 def test_run_traced_traces_the_whole_process_tree(tmp_path: Path) -> None:
     child = write(tmp_path, "child.py", "import time; time.sleep(0.1)\n")
     pids = tmp_path / "pids.txt"
-    parent = write(tmp_path, "parent.py", f"""
+    parent = write(
+        tmp_path,
+        "parent.py",
+        f"""
         import os, subprocess, sys
         child = subprocess.Popen([sys.executable, {str(child)!r}])
         open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
         sys.exit(child.wait())
-        """)
+        """,
+    )
     out = tmp_path / "out" / "nested"  # created by run_traced
     assert run_traced([sys.executable, str(parent)], out=out, targets="collectives,-p2p") == 0
     assert sorted(m["pid"] for m in find_runs(out)) == sorted(map(int, pids.read_text().split()))
@@ -304,13 +318,17 @@ def test_run_traced_traces_the_whole_process_tree(tmp_path: Path) -> None:
 
 
 def test_run_traced_forwards_sigterm_and_reports_the_signal(tmp_path: Path, procs: list[subprocess.Popen]) -> None:
-    runner = write(tmp_path, "runner.py", f"""
+    runner = write(
+        tmp_path,
+        "runner.py",
+        f"""
         import sys
         from pathlib import Path
         from lingctl.timer.launch import run_traced
         cmd = [sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(60)"]
-        sys.exit(run_traced(cmd, out=Path({str(tmp_path / 'out')!r}), targets=None))
-        """)
+        sys.exit(run_traced(cmd, out=Path({str(tmp_path / "out")!r}), targets=None))
+        """,
+    )
     proc = start(procs, runner)
     assert proc.stdout.readline().strip() == "sleeping"
     proc.send_signal(signal.SIGTERM)

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
-from lingctl.train.data import (BatchOrder, batch_tensors, build_token_data, corpus_fingerprint,
-                                default_corpus_files, is_eval_doc, iter_documents, resolve_sources)
+from lingctl.train.data import (
+    BatchOrder,
+    batch_tensors,
+    build_token_data,
+    corpus_fingerprint,
+    default_corpus_files,
+    is_eval_doc,
+    iter_documents,
+    resolve_sources,
+)
 from lingctl.train.tokenizer import SPECIAL_EOS, eos_id, load_tokenizer, save_tokenizer, train_tokenizer
 
 TEXTS = [

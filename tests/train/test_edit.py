@@ -309,11 +309,22 @@ def test_layerwise_sync_on_the_ling_model_matches_sync_now() -> None:
     assert same_state(sa, sb) and sa.last.delta_norms == sb.last.delta_norms
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("outer_lr", 0.0), ("outer_lr", float("nan")), ("outer_momentum", 1.0), ("outer_momentum", -0.1),
-    ("anomaly_alpha", 0.0), ("anomaly_alpha", 1.5), ("anomaly_threshold", -1.0), ("anomaly_warmup", 0),
-    ("weight_temperature", 0.0), ("clip_norm", 0.0), ("clip_norm", float("inf")),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("outer_lr", 0.0),
+        ("outer_lr", float("nan")),
+        ("outer_momentum", 1.0),
+        ("outer_momentum", -0.1),
+        ("anomaly_alpha", 0.0),
+        ("anomaly_alpha", 1.5),
+        ("anomaly_threshold", -1.0),
+        ("anomaly_warmup", 0),
+        ("weight_temperature", 0.0),
+        ("clip_norm", 0.0),
+        ("clip_norm", float("inf")),
+    ],
+)
 def test_bad_config_values_are_refused_with_the_value_named(field: str, value: float) -> None:
     config = EditConfig(**{field: value})
     with pytest.raises(ValueError, match=f"edit.{field} .* got {value!r}"):

@@ -65,15 +65,18 @@ def test_a_run_without_manifest_resumes_owning_only_its_own_two_files(tmp_path: 
     assert (root / "checkpoints" / "step-00000002").is_dir()
 
 
-@pytest.mark.parametrize("raw, error", [
-    (b"[]", VerificationError),
-    (b'{"format": "lingctl-run", "version": 1, "entries": ["/etc/passwd"]}', UnsafeNameError),
-    (b'{"format": "lingctl-run", "version": 1, "entries": ["checkpoints/step-00000002/../../x"]}', UnsafeNameError),
-    (b'{"format": "lingctl-run", "version": 1, "entries": ["checkpoints"]}', VerificationError),
-    (b'{"format": "lingctl-run", "version": 1, "entries": "latest.json"}', VerificationError),
-    (b'{"format": "lingctl-run", "version": true, "entries": []}', VerificationError),
-    (b'{"format": "lingctl-run", "version": 9, "entries": []}', UsageError),
-])
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b"[]", VerificationError),
+        (b'{"format": "lingctl-run", "version": 1, "entries": ["/etc/passwd"]}', UnsafeNameError),
+        (b'{"format": "lingctl-run", "version": 1, "entries": ["checkpoints/step-00000002/../../x"]}', UnsafeNameError),
+        (b'{"format": "lingctl-run", "version": 1, "entries": ["checkpoints"]}', VerificationError),
+        (b'{"format": "lingctl-run", "version": 1, "entries": "latest.json"}', VerificationError),
+        (b'{"format": "lingctl-run", "version": true, "entries": []}', VerificationError),
+        (b'{"format": "lingctl-run", "version": 9, "entries": []}', UsageError),
+    ],
+)
 def test_manifest_accepts_only_what_lingctl_writes(raw: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):
         Manifest.parse(raw, "run/lingctl-run.json")
@@ -81,15 +84,18 @@ def test_manifest_accepts_only_what_lingctl_writes(raw: bytes, error: type[Excep
     assert ok.entries == {"latest.json", "checkpoints/step-00000002"}
 
 
-@pytest.mark.parametrize("raw, error", [
-    (b'{"step": 2, "path": "../x/checkpoints/step-00000002"}', UnsafeNameError),
-    (b'{"step": 2, "path": "/abs/checkpoints/step-00000002"}', UnsafeNameError),
-    (b'{"step": 2, "path": "checkpoints/step-2"}', VerificationError),
-    (b'{"step": 2, "path": "checkpoints/step-00000002/"}', UnsafeNameError),
-    (b'{"step": -1, "path": "checkpoints/step-00000002"}', VerificationError),
-    (b'{"path": "checkpoints/step-00000002"}', VerificationError),
-    (b"\xff", VerificationError),
-])
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b'{"step": 2, "path": "../x/checkpoints/step-00000002"}', UnsafeNameError),
+        (b'{"step": 2, "path": "/abs/checkpoints/step-00000002"}', UnsafeNameError),
+        (b'{"step": 2, "path": "checkpoints/step-2"}', VerificationError),
+        (b'{"step": 2, "path": "checkpoints/step-00000002/"}', UnsafeNameError),
+        (b'{"step": -1, "path": "checkpoints/step-00000002"}', VerificationError),
+        (b'{"path": "checkpoints/step-00000002"}', VerificationError),
+        (b"\xff", VerificationError),
+    ],
+)
 def test_latest_pointer_must_name_a_checkpoint_of_the_run(raw: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):
         parse_latest(raw, "run/latest.json")

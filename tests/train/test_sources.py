@@ -24,8 +24,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_tokenizer_as_file_directory_or_hub_id(tokenizer_dir: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizer_as_file_directory_or_hub_id(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     file, config = tokenizer_source(str(tokenizer_dir / "tokenizer.json"))
     assert file == tokenizer_dir / "tokenizer.json" and config == {"chat_template": "{{ messages }}"}
     assert tokenizer_source(str(tokenizer_dir)) == (file, config)

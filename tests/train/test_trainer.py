@@ -27,8 +27,10 @@ def test_injected_spikes_are_skipped_retried_later_and_lower_the_lr(tmp_path: Pa
     spike = SpikeConfig(warmup_steps=10, retry_after_steps=5, max_spikes=3, window_steps=50, lr_factor=0.5)
     trainer, records = make(tmp_path, text_corpus, steps=40, spike=spike, inject_spikes=[15, 16, 17])
     skipped_rows: list[list[int]] = []
-    trainer.on_record = lambda r: (records.append(r), r["event"] == "spike" and skipped_rows.append(
-        list(trainer.position.retries[-1].rows)))
+    trainer.on_record = lambda r: (
+        records.append(r),
+        r["event"] == "spike" and skipped_rows.append(list(trainer.position.retries[-1].rows)),
+    )
     result = trainer.train()
 
     spikes = [r for r in records if r["event"] == "spike"]
@@ -74,8 +76,15 @@ def test_routing_warmup_and_batch_warmup_show_in_the_records(tmp_path: Path, tex
 
 def test_steps_skipped_in_a_row_end_the_run_and_nothing_is_saved(tmp_path: Path, text_corpus: Path) -> None:
     spike = SpikeConfig(warmup_steps=3, max_spikes=100)
-    trainer, records = make(tmp_path, text_corpus, steps=30, spike=spike, max_consecutive_skips=4,
-                            inject_spikes=list(range(5, 30)), inject_spike_factor=100.0)
+    trainer, records = make(
+        tmp_path,
+        text_corpus,
+        steps=30,
+        spike=spike,
+        max_consecutive_skips=4,
+        inject_spikes=list(range(5, 30)),
+        inject_spike_factor=100.0,
+    )
     with pytest.raises(TrainingDiverged, match="4 steps in a row were skipped"):
         trainer.train()
     events = [r["event"] for r in records]

@@ -36,7 +36,7 @@ def test_the_launch_line_keeps_every_train_option_but_the_launchers_own() -> Non
     cmd = launch_argv(4, 2, worker_args(argv))
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=4" in cmd and "--max-restarts=2" in cmd
-    assert cmd[cmd.index("-m", 3):][:3] == ["-m", "lingctl", "train"]
+    assert cmd[cmd.index("-m", 3) :][:3] == ["-m", "lingctl", "train"]
     with pytest.raises(UsageError, match="--max-restarts must be >= 0"):
         launch_argv(2, -1, [])
 

@@ -19,6 +19,20 @@ def open_store(url: str | StoreURL, s3: S3Options | None = None, *, gate: Aimd |
     return LocalStore(parsed)
 
 
-__all__ = ["Aimd", "LocalStore", "MultipartUploads", "ObjectInfo", "ObjectStore", "RestartError", "S3Options",
-           "S3Store", "SourceChangedError", "StoreURL", "UploadGoneError", "Version", "check_key", "open_store",
-           "parse_url"]
+__all__ = [
+    "Aimd",
+    "LocalStore",
+    "MultipartUploads",
+    "ObjectInfo",
+    "ObjectStore",
+    "RestartError",
+    "S3Options",
+    "S3Store",
+    "SourceChangedError",
+    "StoreURL",
+    "UploadGoneError",
+    "Version",
+    "check_key",
+    "open_store",
+    "parse_url",
+]

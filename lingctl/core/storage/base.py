@@ -12,6 +12,7 @@ write set), ``records_checksums`` (the store keeps each object's CRC, so asking 
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,21 +54,30 @@ class MultipartUploads(ABC):
     resumable: bool = False
 
     @abstractmethod
-    def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
-               crc: str | None = None) -> str:
+    def create(
+        self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None, crc: str | None = None
+    ) -> str:
         """Start an upload of ``size`` bytes; returns its id. ``mtime`` (``mtime_ns`` when the source has it
         to the nanosecond) and ``crc`` are recorded with the object."""
 
     @abstractmethod
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
-                 server_check: bool = False) -> str:
+    def put_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, server_check: bool = False
+    ) -> str:
         """Write part ``number`` (1-based) at ``offset``; returns the part's tag for ``complete``.
         ``UploadGoneError`` when the store no longer knows the upload. ``server_check``: on a store that
         ``checks_bodies``, the server refuses a part that did not arrive as sent (a retryable error)."""
 
     @abstractmethod
-    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
-                 mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
+    def complete(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+    ) -> ObjectInfo:
         """Make the object visible; ``parts`` are (number, tag) in order. Returns its etag and store mtime."""
 
     @abstractmethod
@@ -108,8 +118,14 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def walk(self, *, jobs: int = 16, stats: ListStats | None = None, skip_dirs: frozenset[str] = frozenset(),
-             on_unreadable: OnUnreadable | None = None) -> Iterator[list[Listed]]:
+    def walk(
+        self,
+        *,
+        jobs: int = 16,
+        stats: ListStats | None = None,
+        skip_dirs: frozenset[str] = frozenset(),
+        on_unreadable: OnUnreadable | None = None,
+    ) -> Iterator[builtins.list[Listed]]:
         """Every object below the root, in batches, in no particular order, listed on ``jobs`` workers.
 
         The root is checked at once; listing starts on the first ``next()``. Directories (or common
@@ -142,8 +158,16 @@ class ObjectStore(ABC):
         size checks, since some servers ignore ``If-Match``; local: size and mtime after the read)."""
 
     @abstractmethod
-    def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
+    def write(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+        crc: Crc64 | None = None,
+        server_check: bool = False,
+    ) -> ObjectInfo:
         """Store ``data`` under ``key`` atomically, recording its CRC64NVME (``crc`` when the caller has it)
         and, given ``mtime``, the source's modification time (local: the file's mtime; S3: metadata).
         ``mtime_ns``, when given, is the same time to the nanosecond (what rclone compares).

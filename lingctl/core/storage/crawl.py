@@ -51,9 +51,11 @@ class UnreadableError(LingctlError):
     def __init__(self, failures: list[tuple[str, LingctlError]]) -> None:
         _, err = failures[0]
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        super().__init__(f"{len(failures)} director{'y' if len(failures) == 1 else 'ies'} could not be read, "
-                         f"so the listing is incomplete; first: {printable(err.message)}{more}",
-                         hint="fix their permissions and run the same command again; the rest was handled")
+        super().__init__(
+            f"{len(failures)} director{'y' if len(failures) == 1 else 'ies'} could not be read, "
+            f"so the listing is incomplete; first: {printable(err.message)}{more}",
+            hint="fix their permissions and run the same command again; the rest was handled",
+        )
         self.failures = failures
 
 
@@ -73,8 +75,14 @@ class Crawl:
 
     _DONE = object()
 
-    def __init__(self, jobs: int, stats: ListStats, work: Callable[[Any, Crawl], None],
-                 close: Callable[[], None] | None = None, on_unreadable: OnUnreadable | None = None) -> None:
+    def __init__(
+        self,
+        jobs: int,
+        stats: ListStats,
+        work: Callable[[Any, Crawl], None],
+        close: Callable[[], None] | None = None,
+        on_unreadable: OnUnreadable | None = None,
+    ) -> None:
         self.jobs = jobs
         self._on_unreadable = on_unreadable
         self.stats = stats
@@ -129,8 +137,9 @@ class Crawl:
                     self._put(self._DONE)
 
     def run(self, first: Any) -> Iterator[list[Listed]]:
-        workers = [threading.Thread(target=self._worker, name=f"lingctl-list-{i}", daemon=True)
-                   for i in range(self.jobs)]
+        workers = [
+            threading.Thread(target=self._worker, name=f"lingctl-list-{i}", daemon=True) for i in range(self.jobs)
+        ]
         for w in workers:
             w.start()
         failures: list[tuple[str, LingctlError]] = []
@@ -161,8 +170,11 @@ class Crawl:
                 w.join()
             if self._close is not None:
                 self._close()
-            log.debug("listing done: %d objects, %d requests, %d retries", self.stats.objects,
-                      self.stats.requests, self.stats.retries)
+            log.debug(
+                "listing done: %d objects, %d requests, %d retries",
+                self.stats.objects,
+                self.stats.requests,
+                self.stats.retries,
+            )
         if failures:
             raise UnreadableError(failures)
-

@@ -23,13 +23,14 @@ here (``proxy_for`` says when one applies); the callers use urllib3 for a proxie
 from __future__ import annotations
 
 import errno
+import io
 import os
 import select
 import socket
 import ssl
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 _MAX_LINE = 65536  # longest status or header line accepted
 _MAX_HEADERS = 200
@@ -102,7 +103,8 @@ class _Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = sock.makefile("rb", buffering=65536)
+        # A buffered reader (peek, readline); typeshed types makefile with an explicit buffer size as IOBase.
+        self.reader = cast(io.BufferedReader, sock.makefile("rb", buffering=65536))
 
     def close(self) -> None:
         try:
@@ -115,8 +117,17 @@ class Pool:
     """Keep-alive connections to one origin (``host:port``, TLS when ``https``), shared by many threads:
     each request takes an idle connection or opens one, and gives it back when the answer was read whole."""
 
-    def __init__(self, host: str, port: int, *, https: bool = False, connect_timeout: float | None = 60.0,
-                 read_timeout: float | None = 60.0, maxsize: int = 16, ca_certs: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        https: bool = False,
+        connect_timeout: float | None = 60.0,
+        read_timeout: float | None = 60.0,
+        maxsize: int = 16,
+        ca_certs: str | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.https = https
@@ -135,8 +146,9 @@ class Pool:
         for conn in idle:
             conn.close()
 
-    def request(self, method: str, target: str, headers: Mapping[str, str],
-                body: bytes | bytearray | memoryview | None = None) -> Reply:
+    def request(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | bytearray | memoryview | None = None
+    ) -> Reply:
         """Send one request and read its whole answer. ``headers`` must include ``Host`` when the server
         needs it and ``Content-Length`` for a body; they are sent as given, in order."""
         lines = [f"{method} {target} HTTP/1.1"]
@@ -184,8 +196,7 @@ class Pool:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.host)
         except OSError as exc:  # ssl.SSLError is an OSError
             sock.close()
-            raise WireError("TLS handshake failed" if isinstance(exc, ssl.SSLError) else "cannot connect",
-                            exc) from exc
+            raise WireError("TLS handshake failed" if isinstance(exc, ssl.SSLError) else "cannot connect", exc) from exc
         return _Connection(sock)
 
     def _leftover(self, conn: _Connection) -> bool:
@@ -201,8 +212,9 @@ class Pool:
             conn.sock.settimeout(self.read_timeout)
 
     # -- one exchange -----------------------------------------------------------------------------------
-    def _exchange(self, conn: _Connection, method: str, head: bytes,
-                  body: bytes | bytearray | memoryview | None) -> tuple[Reply, bool]:
+    def _exchange(
+        self, conn: _Connection, method: str, head: bytes, body: bytes | bytearray | memoryview | None
+    ) -> tuple[Reply, bool]:
         """(the answer, whether the connection may be reused)."""
         cut_short: OSError | None = None
         try:

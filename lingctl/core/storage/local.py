@@ -6,6 +6,7 @@ multipart uploads are a temporary file beside the target, written at offsets and
 
 from __future__ import annotations
 
+import builtins
 import os
 import shutil
 from collections.abc import Iterator
@@ -57,8 +58,14 @@ class LocalStore(ObjectStore):
             raise AccessDeniedError(f"{self.root}: permission denied")
 
     # -- listing ------------------------------------------------------------------------------------
-    def walk(self, *, jobs: int = 16, stats: ListStats | None = None, skip_dirs: frozenset[str] = frozenset(),
-             on_unreadable: OnUnreadable | None = None) -> Iterator[list[Listed]]:
+    def walk(
+        self,
+        *,
+        jobs: int = 16,
+        stats: ListStats | None = None,
+        skip_dirs: frozenset[str] = frozenset(),
+        on_unreadable: OnUnreadable | None = None,
+    ) -> Iterator[builtins.list[Listed]]:
         from lingctl.core.storage.local_listing import LocalLister
 
         lister = LocalLister(str(self.url.path), skip_dirs)
@@ -75,7 +82,7 @@ class LocalStore(ObjectStore):
         start = self.root / base if base else self.root
         yield from self._walk(start, f"{base}/" if base else "", prefix)
 
-    def _entries(self, directory: Path) -> list[tuple[str, os.DirEntry, bool]]:
+    def _entries(self, directory: Path) -> builtins.list[tuple[str, os.DirEntry, bool]]:
         """(sort name, entry, is_dir) for the objects and subdirectories of ``directory``, in key order.
 
         Sorting directories by name + "/" makes a depth-first walk emit keys in global byte order: "a-b"
@@ -124,8 +131,9 @@ class LocalStore(ObjectStore):
                 st = entry.stat()
             except OSError:
                 continue
-            yield ObjectInfo(key=key_prefix + name.rstrip("/"), size=0 if is_dir else st.st_size, mtime=st.st_mtime,
-                             is_dir=is_dir)
+            yield ObjectInfo(
+                key=key_prefix + name.rstrip("/"), size=0 if is_dir else st.st_size, mtime=st.st_mtime, is_dir=is_dir
+            )
 
     # -- reading ------------------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo | None:
@@ -163,8 +171,10 @@ class LocalStore(ObjectStore):
                     # Checked after the read: a write that raced it has changed the size or mtime by now.
                     st = os.fstat(f.fileno())
                     if st.st_size != pin.size or st.st_mtime != pin.mtime:
-                        raise SourceChangedError(f"{path}: the file changed during the copy (size {pin.size} -> "
-                                                 f"{st.st_size}, mtime {pin.mtime} -> {st.st_mtime})")
+                        raise SourceChangedError(
+                            f"{path}: the file changed during the copy (size {pin.size} -> "
+                            f"{st.st_size}, mtime {pin.mtime} -> {st.st_mtime})"
+                        )
                 return data
         except FileNotFoundError as exc:
             if pin is not None:
@@ -193,8 +203,16 @@ class LocalStore(ObjectStore):
             raise os_error(exc, str(path)) from exc
 
     # -- writing ------------------------------------------------------------------------------------
-    def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
+    def write(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+        crc: Crc64 | None = None,
+        server_check: bool = False,
+    ) -> ObjectInfo:
         path = self._path(key)
         with atomic_write(path, mtime=mtime, mtime_ns=mtime_ns) as (_, f):
             f.write(data)
@@ -246,8 +264,9 @@ class _LocalUploads(MultipartUploads):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
 
-    def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
-               crc: str | None = None) -> str:
+    def create(
+        self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None, crc: str | None = None
+    ) -> str:
         target = self.store.path(key)
         tmp, fd = create_tmp(target)
         try:
@@ -264,8 +283,9 @@ class _LocalUploads(MultipartUploads):
             raise UsageError(f"{upload_id!r} is not an upload of {self.store.root}")
         return self.store.path(key).parent / upload_id
 
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
-                 server_check: bool = False) -> str:
+    def put_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, server_check: bool = False
+    ) -> str:
         tmp = self._tmp(key, upload_id)
         try:
             fd = os.open(tmp, os.O_WRONLY)
@@ -277,8 +297,15 @@ class _LocalUploads(MultipartUploads):
             raise os_error(exc, str(tmp)) from exc
         return str(number)
 
-    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
-                 mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
+    def complete(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+    ) -> ObjectInfo:
         target = self.store.path(key)
         tmp = self._tmp(key, upload_id)
         try:

@@ -96,8 +96,7 @@ class LocalLister:
             log.warning("skipping broken symlink %s", printable(path))
             return None
         if not target.startswith(self._real_root):
-            log.warning("skipping symlink %s: it points outside the source (%s)", printable(path),
-                        printable(target))
+            log.warning("skipping symlink %s: it points outside the source (%s)", printable(path), printable(target))
             return None
         return os.stat(target)
 

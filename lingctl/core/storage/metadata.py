@@ -32,8 +32,9 @@ def rclone_time(mtime: float, mtime_ns: int | None = None) -> str:
     return f"{sec}.{frac:09d}"
 
 
-def object_metadata(*, mtime: float | None = None, mtime_ns: int | None = None,
-                    crc: str | None = None) -> dict[str, str]:
+def object_metadata(
+    *, mtime: float | None = None, mtime_ns: int | None = None, crc: str | None = None
+) -> dict[str, str]:
     """The user metadata that records ``mtime`` (source modification time; ``mtime_ns`` the same to the
     nanosecond, when known) and ``crc`` (a tagged CRC64NVME)."""
     meta: dict[str, str] = {}
@@ -66,5 +67,10 @@ def parse_reply(key: str, reply: dict[str, Any]) -> ObjectInfo:
     b64 = meta.get(CHECKSUM_META)
     if not b64 and reply.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
         b64 = reply.get("ChecksumCRC64NVME")  # a composite multipart CRC ("...-N") is not comparable
-    return ObjectInfo(key=key, size=int(reply["ContentLength"]), mtime=mtime,
-                      checksum=tag_from_b64(b64) if b64 else None, etag=(reply.get("ETag") or "").strip('"') or None)
+    return ObjectInfo(
+        key=key,
+        size=int(reply["ContentLength"]),
+        mtime=mtime,
+        checksum=tag_from_b64(b64) if b64 else None,
+        etag=(reply.get("ETag") or "").strip('"') or None,
+    )

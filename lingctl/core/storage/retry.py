@@ -25,8 +25,17 @@ from lingctl.core.errors import LingctlError, RetryableError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                            "ServiceUnavailable", "TooManyRequests", "RequestThrottled"})
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "ServiceUnavailable",
+        "TooManyRequests",
+        "RequestThrottled",
+    }
+)
 THROTTLE_STATUS = frozenset({429, 503})
 
 
@@ -85,7 +94,7 @@ class Aimd:
 def backoff(attempt: int, base_s: float = 0.05, cap_s: float = 5.0) -> float:
     """The pause after failed attempt ``attempt``: exponential, with full jitter, so clients that failed
     together do not retry together."""
-    return random.uniform(0, min(cap_s, base_s * 2 ** attempt))
+    return random.uniform(0, min(cap_s, base_s * 2**attempt))
 
 
 def response_status(exc: BaseException) -> int:
@@ -121,8 +130,15 @@ class Retrier:
     jitter (so clients that failed together do not retry together). ``translate(exc, what, attempts)`` turns
     a failure into a lingctl error; only retryable ones (and throttling) are sent again."""
 
-    def __init__(self, gate: Aimd, translate: Callable[[BaseException, str, int], LingctlError], *,
-                 attempts: int = 8, base_s: float = 0.05, cap_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        gate: Aimd,
+        translate: Callable[[BaseException, str, int], LingctlError],
+        *,
+        attempts: int = 8,
+        base_s: float = 0.05,
+        cap_s: float = 5.0,
+    ) -> None:
         self.gate = gate
         self.translate = translate
         self.attempts = max(1, attempts)

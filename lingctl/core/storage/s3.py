@@ -35,8 +35,14 @@ from lingctl.core.errors import (
 from lingctl.core.storage.base import MultipartUploads, ObjectInfo, ObjectStore, Version
 from lingctl.core.storage.crawl import Crawl, Listed, ListStats, OnUnreadable
 from lingctl.core.storage.metadata import CHECKSUM_META, object_metadata, parse_reply
-from lingctl.core.storage.retry import Aimd, Retrier, SourceChangedError, UploadGoneError, response_code, \
-    response_status
+from lingctl.core.storage.retry import (
+    Aimd,
+    Retrier,
+    SourceChangedError,
+    UploadGoneError,
+    response_code,
+    response_status,
+)
 from lingctl.core.storage.s3_client import S3Options, make_client, translate
 from lingctl.core.storage.url import StoreURL, check_object_key
 
@@ -77,9 +83,10 @@ class S3Store(ObjectStore):
         self._root = f"{url.prefix}/" if url.prefix else ""
         self.endpoint = self.options.resolved_endpoint() or ""
         self.gate = gate or Aimd(_DEFAULT_CONCURRENCY)
-        self.retrier = Retrier(self.gate, lambda exc, what, n: translate(exc, what, self.endpoint, n),
-                               attempts=self.options.max_attempts)
-        self.multipart = _S3Uploads(self)
+        self.retrier = Retrier(
+            self.gate, lambda exc, what, n: translate(exc, what, self.endpoint, n), attempts=self.options.max_attempts
+        )
+        self.multipart: _S3Uploads = _S3Uploads(self)  # always: every S3 store has multipart uploads
         self._client: Any = None
         self._http: Any = None
         self._lock = threading.Lock()
@@ -108,8 +115,9 @@ class S3Store(ObjectStore):
                 if self._http is None:
                     from lingctl.core.storage.signed_http import SignedS3Client
 
-                    self._http = SignedS3Client(self.options, self.bucket,
-                                                max_connections=max(16, int(self.gate.maximum)))
+                    self._http = SignedS3Client(
+                        self.options, self.bucket, max_connections=max(16, int(self.gate.maximum))
+                    )
         return self._http
 
     def describe(self) -> str:
@@ -124,8 +132,9 @@ class S3Store(ObjectStore):
     def _obj(self, key: str, method: str, **kwargs: Any) -> Any:
         """``method`` of the client on object ``key``, through the retrier."""
         full = self._key(key)
-        return self.retrier.call(f"{self.bucket}/{full}", getattr(self.client, method), Bucket=self.bucket,
-                                 Key=full, **kwargs)
+        return self.retrier.call(
+            f"{self.bucket}/{full}", getattr(self.client, method), Bucket=self.bucket, Key=full, **kwargs
+        )
 
     def check(self) -> None:
         # Through the signed client: a command that only lists and copies never builds a boto3 client
@@ -133,8 +142,15 @@ class S3Store(ObjectStore):
         self._call(self.bucket, self.http.head_bucket)
 
     # -- listing ------------------------------------------------------------------------------------
-    def walk(self, *, jobs: int = 16, stats: ListStats | None = None, skip_dirs: frozenset[str] = frozenset(),
-             on_unreadable: OnUnreadable | None = None, within: str = "") -> Iterator[list[Listed]]:
+    def walk(
+        self,
+        *,
+        jobs: int = 16,
+        stats: ListStats | None = None,
+        skip_dirs: frozenset[str] = frozenset(),
+        on_unreadable: OnUnreadable | None = None,
+        within: str = "",
+    ) -> Iterator[list[Listed]]:
         from lingctl.core.storage.s3_listing import Range, S3Lister
 
         lister = S3Lister(self.url, self.options, jobs, skip_dirs, gate=self.gate, within=within)
@@ -145,8 +161,11 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "", *, recursive: bool = True) -> Iterator[ObjectInfo]:
         if recursive:
             # The parallel lister; its batches come in no order, so a whole (prefix) listing is sorted here.
-            found = [ObjectInfo(key=e.key, size=e.size, mtime=e.mtime, etag=e.etag)
-                     for batch in self.walk(jobs=8, within=prefix) for e in batch]
+            found = [
+                ObjectInfo(key=e.key, size=e.size, mtime=e.mtime, etag=e.etag)
+                for batch in self.walk(jobs=8, within=prefix)
+                for e in batch
+            ]
             found.sort(key=lambda o: o.key.encode())
             yield from found
             return
@@ -160,11 +179,15 @@ class S3Store(ObjectStore):
             if token:
                 kwargs["ContinuationToken"] = token
             page = self._call(f"{self.bucket}/{full}", self.client.list_objects_v2, **kwargs)
-            entries = [ObjectInfo(key=o["Key"][cut:], size=o["Size"], mtime=o["LastModified"].timestamp(),
-                                  etag=_etag(o))
-                       for o in page.get("Contents", ()) if not o["Key"].endswith("/")]  # no "directory markers"
-            entries += [ObjectInfo(key=p["Prefix"][cut:].rstrip("/"), size=0, mtime=0.0, is_dir=True)
-                        for p in page.get("CommonPrefixes", ())]
+            entries = [
+                ObjectInfo(key=o["Key"][cut:], size=o["Size"], mtime=o["LastModified"].timestamp(), etag=_etag(o))
+                for o in page.get("Contents", ())
+                if not o["Key"].endswith("/")
+            ]  # no "directory markers"
+            entries += [
+                ObjectInfo(key=p["Prefix"][cut:].rstrip("/"), size=0, mtime=0.0, is_dir=True)
+                for p in page.get("CommonPrefixes", ())
+            ]
             # Objects and common prefixes come in two lists; merge them into key order.
             entries.sort(key=lambda i: (i.key + ("/" if i.is_dir else "")).encode())
             yield from entries
@@ -187,8 +210,9 @@ class S3Store(ObjectStore):
         # A one-key listing, not a HEAD: listings carry LastModified to the millisecond, HEAD to the second,
         # and a copy records the source mtime that the next run's listing will compare.
         full = self._key(key)
-        reply = self._call(f"{self.bucket}/{full}", self.client.list_objects_v2, Bucket=self.bucket, Prefix=full,
-                           MaxKeys=1)
+        reply = self._call(
+            f"{self.bucket}/{full}", self.client.list_objects_v2, Bucket=self.bucket, Prefix=full, MaxKeys=1
+        )
         for o in reply.get("Contents", ()):
             if o["Key"] == full:
                 return Version(o["Size"], o["LastModified"].timestamp(), _etag(o))
@@ -256,16 +280,30 @@ class S3Store(ObjectStore):
         return self.stat(key).checksum
 
     # -- writing ------------------------------------------------------------------------------------
-    def write(self, key: str, data: bytes | bytearray | memoryview, *, mtime: float | None = None,
-              mtime_ns: int | None = None, crc: Crc64 | None = None, server_check: bool = False) -> ObjectInfo:
+    def write(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+        crc: Crc64 | None = None,
+        server_check: bool = False,
+    ) -> ObjectInfo:
         crc = crc or crc64_bytes(data)
         full = self._key(key)
         # Content-MD5, as rclone sends it: every S3 server checks it (AWS also checks the CRC64NVME, but
         # several S3-compatible servers, rclone's among them, ignore that header).
         md5 = base64.b64encode(hashlib.md5(data).digest()).decode() if server_check else None
-        headers = self.retrier.call(f"{self.bucket}/{full}", self.http.put, full, data,
-                                    metadata=object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc.tagged()),
-                                    checksum_crc64nvme_b64=crc.b64(), content_md5_b64=md5)
+        headers = self.retrier.call(
+            f"{self.bucket}/{full}",
+            self.http.put,
+            full,
+            data,
+            metadata=object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc.tagged()),
+            checksum_crc64nvme_b64=crc.b64(),
+            content_md5_b64=md5,
+        )
         etag = (headers.get("ETag") or "").strip('"') or None
         return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(), etag=etag)
 
@@ -317,8 +355,9 @@ class _S3Uploads(MultipartUploads):
     def __init__(self, store: S3Store) -> None:
         self.store = store
 
-    def create(self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None,
-               crc: str | None = None) -> str:
+    def create(
+        self, key: str, size: int, *, mtime: float | None = None, mtime_ns: int | None = None, crc: str | None = None
+    ) -> str:
         store = self.store
         full = store._key(key)
         meta = object_metadata(mtime=mtime, mtime_ns=mtime_ns, crc=crc)
@@ -335,29 +374,43 @@ class _S3Uploads(MultipartUploads):
             except botocore.exceptions.ClientError as exc:
                 code = response_code(exc)
                 if code in ("NoSuchUpload", "InvalidPart") or response_status(exc) == 404:
-                    raise UploadGoneError(f"{store.bucket}/{full}: the server no longer knows multipart "
-                                          f"upload {upload_id[:16]}... ({code or 404})") from exc
+                    raise UploadGoneError(
+                        f"{store.bucket}/{full}: the server no longer knows multipart "
+                        f"upload {upload_id[:16]}... ({code or 404})"
+                    ) from exc
                 raise
 
         full = store._key(key)
         return store.retrier.call(f"{store.bucket}/{full}", call)
 
-    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes, *,
-                 server_check: bool = False) -> str:
+    def put_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes, *, server_check: bool = False
+    ) -> str:
         # Content-MD5 per part, as for a single PUT: the server refuses a part that arrived different.
         md5 = base64.b64encode(hashlib.md5(data).digest()).decode() if server_check else None
         return self._on_upload(key, upload_id, self.store.http.upload_part, number, data, content_md5_b64=md5)
 
-    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]], *,
-                 mtime: float | None = None, mtime_ns: int | None = None) -> ObjectInfo:
+    def complete(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        *,
+        mtime: float | None = None,
+        mtime_ns: int | None = None,
+    ) -> ObjectInfo:
         etag = self._on_upload(key, upload_id, self.store.http.complete_multipart, parts)
         # Some servers list a multipart object under another ETag than CompleteMultipartUpload returned
         # (rclone's lists the MD5 of the stored file). One HEAD per large object records the one that
         # listings show, so re-syncs recognise the object without a HEAD each time.
         head = self.store.head(key)
-        return ObjectInfo(key=key, size=head.size if head is not None else 0, mtime=time.time(),
-                          etag=head.etag if head is not None else (etag or None),
-                          checksum=head.checksum if head is not None else None)
+        return ObjectInfo(
+            key=key,
+            size=head.size if head is not None else 0,
+            mtime=time.time(),
+            etag=head.etag if head is not None else (etag or None),
+            checksum=head.checksum if head is not None else None,
+        )
 
     def abort(self, key: str, upload_id: str) -> None:
         try:

@@ -81,7 +81,9 @@ def make_client(options: S3Options, *, unsigned: bool = False, attempts: int | N
     try:
         session = boto3.session.Session(profile_name=options.profile)
     except botocore.exceptions.ProfileNotFound:
-        raise UsageError(f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE") from None
+        raise UsageError(
+            f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE"
+        ) from None
     region = options.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
     path_style = options.path_style if options.path_style is not None else endpoint is not None
     config = botocore.config.Config(
@@ -115,20 +117,25 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
             hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
         )
     if isinstance(exc, bx.PartialCredentialsError):
-        return AccessDeniedError(f"incomplete S3 credentials: {exc}", hint="set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError,
-                        bx.ConnectionClosedError)):
+        return AccessDeniedError(
+            f"incomplete S3 credentials: {exc}", hint="set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
+    if isinstance(
+        exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError)
+    ):
         return RetryableError(
             f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({type(exc).__name__})",
             hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
         )
     if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
         # A connection that broke mid-request or mid-body (reset, truncated stream): a new request can work.
-        return RetryableError(f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) "
-                              f"({type(exc).__name__})")
+        return RetryableError(
+            f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) ({type(exc).__name__})"
+        )
     if isinstance(exc, bx.FlexibleChecksumError):  # botocore checked S3's own checksum field on a GET
-        return VerificationError(f"checksum mismatch for {what} at {where}: {exc}",
-                                 hint="the stored object is damaged; nothing was written")
+        return VerificationError(
+            f"checksum mismatch for {what} at {where}: {exc}", hint="the stored object is damaged; nothing was written"
+        )
     if isinstance(exc, bx.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
@@ -138,14 +145,22 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
         if code == "NoSuchBucket" or (status == 404 and "/" not in what):
             return NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}")
         if code == "NoSuchUpload":
-            return NotFoundError(f"{what}: the multipart upload no longer exists at {where} (aborted, or the "
-                                 "server restarted)", hint="run the same command again to start a new upload")
+            return NotFoundError(
+                f"{what}: the multipart upload no longer exists at {where} (aborted, or the server restarted)",
+                hint="run the same command again to start a new upload",
+            )
         if code == "PreconditionFailed" or status == 412:
             return RetryableError(f"{what}: the object changed at {where} while it was being read")
         if code in ("NoSuchKey", "NotFound", "404") or status == 404:
             return NotFoundError(f"{what}: not found at {where}")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AuthorizationHeaderMalformed",
-                    "InvalidToken", "ExpiredToken", "TokenRefreshRequired"):
+        if code in (
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "AuthorizationHeaderMalformed",
+            "InvalidToken",
+            "ExpiredToken",
+            "TokenRefreshRequired",
+        ):
             return AccessDeniedError(
                 f"S3 rejected the credentials for {what} at {where} ({code})",
                 hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE",

@@ -43,8 +43,12 @@ _MIN_ATTEMPTS = 5  # a long listing meets more transient errors than a single re
 # Characters where range boundaries are placed, by the kind of name seen on a page: the smallest class that
 # covers the page's characters, so numbered or hashed keys do not spend requests on ranges that hold nothing.
 # Boundaries only balance the work; every key outside the class still falls in some range.
-_ALPHABETS = ("0123456789", "0123456789abcdef", "-.0123456789_abcdefghijklmnopqrstuvwxyz",
-              "-./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~")
+_ALPHABETS = (
+    "0123456789",
+    "0123456789abcdef",
+    "-.0123456789_abcdefghijklmnopqrstuvwxyz",
+    "-./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~",
+)
 # Splitting a range costs extra requests (the tail of each range, ranges that turn out empty): worth it
 # only while parallel requests finish at least this many times faster than one after another.
 _MIN_GAIN = 2.0
@@ -73,8 +77,11 @@ class _Page:
 _LIST_RE = re.compile(r"<ListBucketResult[\s>]")
 # Fast path: S3's schema orders Key, LastModified, ETag, ..., Size, and AWS, MinIO, Ceph and rclone keep it.
 # A reply whose blocks do not all match falls back to parsing each block on its own.
-_CONTENTS_RE = re.compile(r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*"
-                          r"<ETag>([^<]*)</ETag>.*?<Size>(\d+)</Size>", re.S)
+_CONTENTS_RE = re.compile(
+    r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*"
+    r"<ETag>([^<]*)</ETag>.*?<Size>(\d+)</Size>",
+    re.S,
+)
 _BLOCK_RE = re.compile(r"<Contents>(.*?)</Contents>", re.S)
 _TAG_RES = {tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("Key", "LastModified", "ETag", "Size")}
 _PREFIX_RE = re.compile(r"<CommonPrefixes>\s*<Prefix>([^<]*)</Prefix>")
@@ -112,13 +119,20 @@ def _parse_page(body: str) -> _Page | None:
             fields = {tag: rx.search(block) for tag, rx in _TAG_RES.items()}
             if fields["Key"] is None or fields["Size"] is None or fields["LastModified"] is None:
                 return None
-            rows.append((fields["Key"].group(1), fields["LastModified"].group(1),
-                         fields["ETag"].group(1) if fields["ETag"] else "", fields["Size"].group(1)))
+            rows.append(
+                (
+                    fields["Key"].group(1),
+                    fields["LastModified"].group(1),
+                    fields["ETag"].group(1) if fields["ETag"] else "",
+                    fields["Size"].group(1),
+                )
+            )
     keys = [(decode(k), lm, etag.replace("&quot;", "").strip('"') or None, int(size)) for k, lm, etag, size in rows]
     prefixes = [decode(p) for p in _PREFIX_RE.findall(body)]
     token = _TOKEN_RE.search(body)
-    return _Page(keys, prefixes, _TRUNCATED_RE.search(body) is not None,
-                 html.unescape(token.group(1)) if token else None)
+    return _Page(
+        keys, prefixes, _TRUNCATED_RE.search(body) is not None, html.unescape(token.group(1)) if token else None
+    )
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -176,8 +190,16 @@ class S3Lister:
     Requests go through ``gate``, the AIMD gate the store's other requests share: a throttled List halves
     the requests in flight as a throttled GET does, and is retried on the same backoff schedule."""
 
-    def __init__(self, url: StoreURL, options: S3Options, jobs: int, skip_dirs: frozenset[str], *,
-                 gate: Aimd | None = None, within: str = "") -> None:
+    def __init__(
+        self,
+        url: StoreURL,
+        options: S3Options,
+        jobs: int,
+        skip_dirs: frozenset[str],
+        *,
+        gate: Aimd | None = None,
+        within: str = "",
+    ) -> None:
         options.validate()
         self.gate = gate or Aimd(jobs)
         import botocore.exceptions
@@ -196,8 +218,9 @@ class S3Lister:
         try:
             credentials, self.region = sigv4.resolve(options.profile, options.region)
         except botocore.exceptions.ProfileNotFound:
-            raise UsageError(f"AWS profile {options.profile!r} not found",
-                             hint="check ~/.aws/config or AWS_PROFILE") from None
+            raise UsageError(
+                f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE"
+            ) from None
         if credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), self.bucket, self.endpoint, 1)
         self.signer = sigv4.Signer(credentials, self.region)
@@ -230,9 +253,15 @@ class S3Lister:
             self.http = urllib3.ProxyManager(proxy, num_pools=2, maxsize=jobs, timeout=timeout, ca_certs=ca_certs)
             self._conn_errors += (urllib3.exceptions.HTTPError,)
         else:
-            self._wire = http_wire.Pool(base.hostname or "", base.port or (443 if base.scheme == "https" else 80),
-                                        https=base.scheme == "https", connect_timeout=options.connect_timeout,
-                                        read_timeout=options.read_timeout, maxsize=jobs, ca_certs=ca_certs)
+            self._wire = http_wire.Pool(
+                base.hostname or "",
+                base.port or (443 if base.scheme == "https" else 80),
+                https=base.scheme == "https",
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
+                maxsize=jobs,
+                ca_certs=ca_certs,
+            )
         # Range splitting stops for good when the server ignores start-after, or when parallel requests
         # gain it little: a server that re-reads a whole directory per request (rclone serve s3 does)
         # only does more work when one prefix is listed as many ranges.
@@ -252,8 +281,13 @@ class S3Lister:
 
     # -- one page ---------------------------------------------------------------------------------------
     def page(self, r: Range, crawl: Crawl) -> None:
-        params = {"list-type": "2", "prefix": r.prefix, "delimiter": "/", "max-keys": str(_PAGE),
-                  "encoding-type": "url"}
+        params = {
+            "list-type": "2",
+            "prefix": r.prefix,
+            "delimiter": "/",
+            "max-keys": str(_PAGE),
+            "encoding-type": "url",
+        }
         if r.token:
             params["continuation-token"] = r.token
         elif r.after:
@@ -262,8 +296,9 @@ class S3Lister:
         if r.after and not r.token and self._split_ok:
             # A prefix may legitimately equal start-after (see below); a key may not.
             if page.keys and page.keys[0][0] <= r.after:
-                log.warning("S3 server at %s ignores start-after; listing each prefix serially",
-                            self.endpoint or "AWS S3")
+                log.warning(
+                    "S3 server at %s ignores start-after; listing each prefix serially", self.endpoint or "AWS S3"
+                )
                 self._split_ok = False
         cut = len(self.prefix)
         beyond = False
@@ -287,7 +322,7 @@ class S3Lister:
             if p <= r.after:
                 continue
             names.append(p)
-            if p[len(r.prefix):-1] not in self.skip_dirs and (p.startswith(self.within) or self.within.startswith(p)):
+            if p[len(r.prefix) : -1] not in self.skip_dirs and (p.startswith(self.within) or self.within.startswith(p)):
                 crawl.add(Range(p))
         if batch:
             crawl.emit(batch)
@@ -297,8 +332,12 @@ class S3Lister:
             if page.token:
                 crawl.add(Range(r.prefix, r.after, r.until, page.token))
             else:
-                log.warning("S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
-                            self.endpoint or "AWS S3", self.bucket, printable(r.prefix))
+                log.warning(
+                    "S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
+                    self.endpoint or "AWS S3",
+                    self.bucket,
+                    printable(r.prefix),
+                )
             return
         names.sort()
         last = names[-1]
@@ -328,8 +367,12 @@ class S3Lister:
             self._gain_proven = self._gain >= _MIN_GAIN
             if not self._gain_proven:
                 self._split_ok = False
-                log.info("S3 server at %s gains %.1fx from %d parallel requests; listing large prefixes page by "
-                         "page", self.endpoint or "AWS S3", self._gain, concurrency)
+                log.info(
+                    "S3 server at %s gains %.1fx from %d parallel requests; listing large prefixes page by page",
+                    self.endpoint or "AWS S3",
+                    self._gain,
+                    concurrency,
+                )
 
     # -- one request, with retries ----------------------------------------------------------------------
     def _get(self, params: dict[str, str], what: str, crawl: Crawl) -> _Page:
@@ -375,15 +418,22 @@ class S3Lister:
                 page = _parse_page(body)
                 if page is not None:
                     return page
-                error = bx.ClientError({"Error": {"Code": "InternalError", "Message": "unreadable listing"},
-                                        "ResponseMetadata": {"HTTPStatusCode": 502}}, "ListObjectsV2")
+                error = bx.ClientError(
+                    {
+                        "Error": {"Code": "InternalError", "Message": "unreadable listing"},
+                        "ResponseMetadata": {"HTTPStatusCode": 502},
+                    },
+                    "ListObjectsV2",
+                )
                 continue
             code_m, message_m = _CODE_RE.search(body), _MESSAGE_RE.search(body)
             code = html.unescape(code_m.group(1)) if code_m else str(resp.status)
             message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
             self.gate.release(throttled=is_throttle_reply(code, resp.status))
-            error = bx.ClientError({"Error": {"Code": code, "Message": message},
-                                    "ResponseMetadata": {"HTTPStatusCode": resp.status}}, "ListObjectsV2")
+            error = bx.ClientError(
+                {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
+                "ListObjectsV2",
+            )
             if resp.status < 500 and not is_throttle_reply(code, resp.status) and code not in RETRY_CODES:
                 break
             log.debug("list %s: attempt %d: HTTP %d %s", printable(what), attempt, resp.status, printable(code))

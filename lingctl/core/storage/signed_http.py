@@ -56,20 +56,41 @@ _ETAG_RE = re.compile(r"<ETag>([^<]*)</ETag>")
 # Buckets that can be a DNS label under the endpoint's host; others go path style, as botocore's "auto" does.
 _DNS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _EMPTY_HEADERS = http_wire.Headers()
-_REPLY_HEADERS = (("ContentLength", "Content-Length"), ("ETag", "ETag"), ("LastModified", "Last-Modified"),
-                  ("ChecksumCRC64NVME", "x-amz-checksum-crc64nvme"), ("ChecksumType", "x-amz-checksum-type"),
-                  ("ContentRange", "Content-Range"))
+_REPLY_HEADERS = (
+    ("ContentLength", "Content-Length"),
+    ("ETag", "ETag"),
+    ("LastModified", "Last-Modified"),
+    ("ChecksumCRC64NVME", "x-amz-checksum-crc64nvme"),
+    ("ChecksumType", "x-amz-checksum-type"),
+    ("ContentRange", "Content-Range"),
+)
 
 
 class S3HTTPError(botocore.exceptions.ClientError):
     """An error answer from S3: HTTP ``status``, S3 error ``code`` and ``message``."""
 
-    def __init__(self, *, status: int, code: str, message: str, operation: str, key: str,
-                 request_id: str | None = None, headers: Headers = _EMPTY_HEADERS) -> None:
-        super().__init__({"Error": {"Code": code, "Message": message},
-                          "ResponseMetadata": {"HTTPStatusCode": status, "RequestId": request_id or "",
-                                               "HTTPHeaders": {k.lower(): v for k, v in headers.items()}}},
-                         operation)
+    def __init__(
+        self,
+        *,
+        status: int,
+        code: str,
+        message: str,
+        operation: str,
+        key: str,
+        request_id: str | None = None,
+        headers: Headers = _EMPTY_HEADERS,
+    ) -> None:
+        super().__init__(
+            {
+                "Error": {"Code": code, "Message": message},
+                "ResponseMetadata": {
+                    "HTTPStatusCode": status,
+                    "RequestId": request_id or "",
+                    "HTTPHeaders": {k.lower(): v for k, v in headers.items()},
+                },
+            },
+            operation,
+        )
         self.status = status
         self.code = code
         self.message = message
@@ -78,14 +99,20 @@ class S3HTTPError(botocore.exceptions.ClientError):
         self.headers = headers
 
     def __reduce__(self) -> Any:  # ClientError's own would call __init__ with botocore's arguments
-        return _rebuild_http_error, (self.status, self.code, self.message, self.operation_name, self.key,
-                                     self.request_id)
+        return _rebuild_http_error, (
+            self.status,
+            self.code,
+            self.message,
+            self.operation_name,
+            self.key,
+            self.request_id,
+        )
 
 
-def _rebuild_http_error(status: int, code: str, message: str, operation: str, key: str,
-                        request_id: str | None) -> S3HTTPError:
-    return S3HTTPError(status=status, code=code, message=message, operation=operation, key=key,
-                       request_id=request_id)
+def _rebuild_http_error(
+    status: int, code: str, message: str, operation: str, key: str, request_id: str | None
+) -> S3HTTPError:
+    return S3HTTPError(status=status, code=code, message=message, operation=operation, key=key, request_id=request_id)
 
 
 class S3ConnectionError(botocore.exceptions.EndpointConnectionError):
@@ -130,8 +157,15 @@ class SignedS3Client:
     are kept open for reuse; more concurrent requests still go through, on connections closed afterwards.
     """
 
-    def __init__(self, options: S3Options, bucket: str, *, unsigned: bool = False, max_connections: int = 16,
-                 sign_payload: bool | None = None) -> None:
+    def __init__(
+        self,
+        options: S3Options,
+        bucket: str,
+        *,
+        unsigned: bool = False,
+        max_connections: int = 16,
+        sign_payload: bool | None = None,
+    ) -> None:
         options.validate()
         self.bucket = bucket
         endpoint = options.resolved_endpoint()
@@ -140,8 +174,10 @@ class SignedS3Client:
             # The same resolution as make_client: AWS_REGION, then AWS_DEFAULT_REGION or the profile's region.
             credentials, region = sigv4.resolve(options.profile, options.region)
         except botocore.exceptions.ProfileNotFound:
-            raise UsageError(f"AWS profile {options.profile or os.environ.get('AWS_PROFILE')!r} not found",
-                             hint="check ~/.aws/config or AWS_PROFILE") from None
+            raise UsageError(
+                f"AWS profile {options.profile or os.environ.get('AWS_PROFILE')!r} not found",
+                hint="check ~/.aws/config or AWS_PROFILE",
+            ) from None
         self.credentials: Any = None if unsigned else credentials
         if not unsigned and self.credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), bucket, self.endpoint, 1)
@@ -180,10 +216,15 @@ class SignedS3Client:
             # Direct connections go through lingctl's own keep-alive client: a third of urllib3's CPU per
             # request (http_wire's docstring), which is most of the client's work on small objects.
             origin = urlsplit(self._origin)
-            self._wire = http_wire.Pool(origin.hostname or "", origin.port or (443 if https else 80), https=https,
-                                        connect_timeout=options.connect_timeout,
-                                        read_timeout=options.read_timeout, maxsize=max_connections,
-                                        ca_certs=ca_certs)
+            self._wire = http_wire.Pool(
+                origin.hostname or "",
+                origin.port or (443 if https else 80),
+                https=https,
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
+                maxsize=max_connections,
+                ca_certs=ca_certs,
+            )
             self._absolute = False
         self._user_agent = f"lingctl/{_version()}"
 
@@ -209,8 +250,15 @@ class SignedS3Client:
         return self._prefix + quote(key, safe="/~")
 
     # -- requests ---------------------------------------------------------------------------------------
-    def get(self, key: str, *, offset: int = 0, length: int | None = None, if_match: str | None = None,
-            checksum_mode: bool = False) -> tuple[bytes, Headers]:
+    def get(
+        self,
+        key: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        if_match: str | None = None,
+        checksum_mode: bool = False,
+    ) -> tuple[bytes, Headers]:
         """The object's bytes from ``offset`` (``length`` of them, or to the end) and the answer's headers.
 
         A ranged answer carries ``Content-Range: bytes A-B/TOTAL`` (AWS answers 206, rclone serve s3 200).
@@ -250,8 +298,15 @@ class SignedS3Client:
                 return None
             raise
 
-    def put(self, key: str, body: bytes | bytearray | memoryview, *, metadata: Mapping[str, str],
-            checksum_crc64nvme_b64: str | None, content_md5_b64: str | None = None) -> Headers:
+    def put(
+        self,
+        key: str,
+        body: bytes | bytearray | memoryview,
+        *,
+        metadata: Mapping[str, str],
+        checksum_crc64nvme_b64: str | None,
+        content_md5_b64: str | None = None,
+    ) -> Headers:
         """Write ``body`` as the whole object ``key`` with user ``metadata`` (``x-amz-meta-NAME``: ASCII names
         and values); with ``checksum_crc64nvme_b64`` the server checks the body against it and keeps it.
         No ``Expect: 100-continue``: the body is sent right behind the headers."""
@@ -275,29 +330,54 @@ class SignedS3Client:
         resp = self._send("POST", "CreateMultipartUpload", key, headers, None, query="uploads=")
         found = _UPLOAD_ID_RE.search(resp.data.decode("utf-8", errors="replace"))
         if found is None:
-            raise S3HTTPError(status=resp.status, code="MalformedReply", message="no UploadId in the answer",
-                              operation="CreateMultipartUpload", key=key)
+            raise S3HTTPError(
+                status=resp.status,
+                code="MalformedReply",
+                message="no UploadId in the answer",
+                operation="CreateMultipartUpload",
+                key=key,
+            )
         return html.unescape(found.group(1))
 
-    def upload_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray | memoryview, *,
-                    content_md5_b64: str | None = None) -> str:
+    def upload_part(
+        self,
+        key: str,
+        upload_id: str,
+        number: int,
+        body: bytes | bytearray | memoryview,
+        *,
+        content_md5_b64: str | None = None,
+    ) -> str:
         """UploadPart ``number`` (1-based); the part's ETag, unquoted. With ``content_md5_b64`` the server
         refuses (400 BadDigest) a part whose body arrived different."""
         headers = {"Content-Length": str(memoryview(body).nbytes)}
         if content_md5_b64 is not None:
             headers["Content-MD5"] = content_md5_b64
-        resp = self._send("PUT", "UploadPart", key, headers, body,
-                          query=f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}")
+        resp = self._send(
+            "PUT",
+            "UploadPart",
+            key,
+            headers,
+            body,
+            query=f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}",
+        )
         return (resp.headers.get("ETag") or "").strip('"')
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> str:
         """CompleteMultipartUpload from ``(number, etag)`` pairs in order; the object's ETag, unquoted.
         S3 may answer 200 and still fail (an ``<Error>`` body, sent after a long assembly): that is raised."""
-        xml = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>\"{html.escape(e.strip(chr(34)))}\"</ETag></Part>"
-                      for n, e in parts)
+        xml = "".join(
+            f'<Part><PartNumber>{n}</PartNumber><ETag>"{html.escape(e.strip(chr(34)))}"</ETag></Part>' for n, e in parts
+        )
         body = f"<CompleteMultipartUpload>{xml}</CompleteMultipartUpload>".encode()
-        resp = self._send("POST", "CompleteMultipartUpload", key, {"Content-Length": str(len(body))}, body,
-                          query=f"uploadId={quote(upload_id, safe='-_.~')}")
+        resp = self._send(
+            "POST",
+            "CompleteMultipartUpload",
+            key,
+            {"Content-Length": str(len(body))},
+            body,
+            query=f"uploadId={quote(upload_id, safe='-_.~')}",
+        )
         text = resp.data.decode("utf-8", errors="replace")
         if "<Error>" in text:
             raise _http_error(resp, "CompleteMultipartUpload", key, status=500)
@@ -314,17 +394,27 @@ class SignedS3Client:
         self._send("HEAD", "HeadBucket", "", {}, None, target=self._prefix.rstrip("/") or "/")
 
     # -- one request ------------------------------------------------------------------------------------
-    def _send(self, method: str, operation: str, key: str, headers: dict[str, str],
-              body: bytes | bytearray | memoryview | None, *, target: str | None = None, query: str = "") -> Any:
+    def _send(
+        self,
+        method: str,
+        operation: str,
+        key: str,
+        headers: dict[str, str],
+        body: bytes | bytearray | memoryview | None,
+        *,
+        target: str | None = None,
+        query: str = "",
+    ) -> Any:
         target = self._target(key) if target is None else target
         if query:
             target = f"{target}?{query}"
         headers["Host"] = self.host
-        if self.credentials is not None:
+        if self._signer is not None:  # set exactly when there are credentials
             if body is None:
                 payload = sigv4.EMPTY_SHA256
-            elif self.sign_payload or (self.sign_payload is None and not self._https
-                                       and "x-amz-checksum-crc64nvme" not in headers):
+            elif self.sign_payload or (
+                self.sign_payload is None and not self._https and "x-amz-checksum-crc64nvme" not in headers
+            ):
                 payload = hashlib.sha256(body).hexdigest()
             else:
                 payload = sigv4.UNSIGNED_PAYLOAD
@@ -335,8 +425,7 @@ class SignedS3Client:
             try:
                 resp: Any = self._wire.request(method, target, headers, body)
             except http_wire.WireError as exc:
-                raise S3ConnectionError(endpoint_url=self.endpoint or self._origin,
-                                        error=_describe_wire(exc)) from exc
+                raise S3ConnectionError(endpoint_url=self.endpoint or self._origin, error=_describe_wire(exc)) from exc
             if resp.status >= 300:
                 raise _http_error(resp, operation, key)
             return resp
@@ -344,13 +433,29 @@ class SignedS3Client:
 
         try:
             if self._absolute:
-                resp = self._manager.urlopen(method, self._origin + target, body=body, headers=headers,
-                                             retries=False, redirect=False, decode_content=False)
+                resp = self._manager.urlopen(
+                    method,
+                    self._origin + target,
+                    body=body,
+                    headers=headers,
+                    retries=False,
+                    redirect=False,
+                    decode_content=False,
+                )
             else:
                 # The pool itself, with a path target: urllib3's URL parser would drop "." and ".." key
                 # segments, and the pool manager would parse and look up the pool on every call.
-                resp = self._pool.urlopen(method, target, body=body, headers=headers, retries=False,
-                                          redirect=False, assert_same_host=False, decode_content=False)
+                # urllib3 sends any bytes-like body (http.client does); its stubs name only bytes.
+                resp = self._pool.urlopen(
+                    method,
+                    target,
+                    body=body,  # type: ignore[arg-type]
+                    headers=headers,
+                    retries=False,
+                    redirect=False,
+                    assert_same_host=False,
+                    decode_content=False,
+                )
         except urllib3.exceptions.HTTPError as exc:
             raise S3ConnectionError(endpoint_url=self.endpoint or self._origin, error=_describe(exc)) from exc
         if resp.status >= 300:
@@ -380,8 +485,15 @@ def _http_error(resp: Any, operation: str, key: str, *, status: int | None = Non
     status = status or resp.status
     code = html.unescape(code_m.group(1)) if code_m else str(status)
     message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
-    return S3HTTPError(status=status, code=code, message=message, operation=operation, key=key,
-                       request_id=resp.headers.get("x-amz-request-id"), headers=resp.headers)
+    return S3HTTPError(
+        status=status,
+        code=code,
+        message=message,
+        operation=operation,
+        key=key,
+        request_id=resp.headers.get("x-amz-request-id"),
+        headers=resp.headers,
+    )
 
 
 def _describe(exc: Exception) -> str:

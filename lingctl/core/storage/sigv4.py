@@ -67,8 +67,13 @@ def resolve(profile: str | None, region: str | None) -> tuple[CredentialSource |
 class Signer:
     """Signs S3 requests for one region; thread-safe (the signing key is cached per day)."""
 
-    def __init__(self, credentials: CredentialSource, region: str, service: str = "s3",
-                 clock: Callable[[], dt.datetime] | None = None) -> None:
+    def __init__(
+        self,
+        credentials: CredentialSource,
+        region: str,
+        service: str = "s3",
+        clock: Callable[[], dt.datetime] | None = None,
+    ) -> None:
         self.credentials = credentials
         self.region = region
         self.service = service
@@ -95,29 +100,35 @@ class Signer:
         now = self._clock()
         amz_date = now.strftime("%Y%m%dT%H%M%SZ")
         date = amz_date[:8]
-        out = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-amz-date",
-                                                                      "x-amz-content-sha256",
-                                                                      "x-amz-security-token")}
+        out = {
+            k: v
+            for k, v in headers.items()
+            if k.lower() not in ("authorization", "x-amz-date", "x-amz-content-sha256", "x-amz-security-token")
+        }
         out["x-amz-date"] = amz_date
         out["x-amz-content-sha256"] = payload_hash
         if creds.token:
             out["x-amz-security-token"] = creds.token
-        signed = sorted((k.lower(), " ".join(str(v).split())) for k, v in out.items()
-                        if k.lower() not in _UNSIGNED_HEADERS)
+        signed = sorted(
+            (k.lower(), " ".join(str(v).split())) for k, v in out.items() if k.lower() not in _UNSIGNED_HEADERS
+        )
         signed_names = ";".join(name for name, _ in signed)
-        canonical = "\n".join([
-            method,
-            path or "/",
-            _canonical_query(query),
-            "".join(f"{name}:{value}\n" for name, value in signed),
-            signed_names,
-            payload_hash,
-        ])
+        canonical = "\n".join(
+            [
+                method,
+                path or "/",
+                _canonical_query(query),
+                "".join(f"{name}:{value}\n" for name, value in signed),
+                signed_names,
+                payload_hash,
+            ]
+        )
         scope = f"{date}/{self.region}/{self.service}/aws4_request"
         to_sign = "\n".join([ALGORITHM, amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
         signature = hmac.new(self._signing_key(creds.secret_key, date), to_sign.encode(), hashlib.sha256).hexdigest()
-        out["Authorization"] = (f"{ALGORITHM} Credential={creds.access_key}/{scope}, SignedHeaders={signed_names}, "
-                                f"Signature={signature}")
+        out["Authorization"] = (
+            f"{ALGORITHM} Credential={creds.access_key}/{scope}, SignedHeaders={signed_names}, Signature={signature}"
+        )
         return out
 
 

@@ -27,8 +27,9 @@ _USERINFO_RE = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s?#]*@)")
 _NO_USERINFO_SCHEMES = frozenset({"s3", "s3a", "file"})
 # Query parameters whose values are secrets: presigned S3 URLs (X-Amz-Signature, X-Amz-Credential,
 # X-Amz-Security-Token, Signature, AWSAccessKeyId) and the usual password/token names.
-_SECRET_PARAM_RE = re.compile(r"([?&;])([^=&#\s]*(?:sig|token|secret|passw|pwd|credential|key|auth)[^=&#\s]*)=([^&#\s]*)",
-                              re.IGNORECASE)
+_SECRET_PARAM_RE = re.compile(
+    r"([?&;])([^=&#\s]*(?:sig|token|secret|passw|pwd|credential|key|auth)[^=&#\s]*)=([^&#\s]*)", re.IGNORECASE
+)
 REDACTED = "***"
 
 
@@ -48,7 +49,7 @@ class StoreURL:
             raise ValueError("an s3:// URL has no local path")
         return Path(self.prefix)
 
-    def join(self, key: str) -> "StoreURL":
+    def join(self, key: str) -> StoreURL:
         """The URL of ``key`` below this root (for messages and for opening a sub-root)."""
         key = key.strip("/")
         if not key:
@@ -72,7 +73,7 @@ def parse_url(text: str) -> StoreURL:
     if m is None:
         return StoreURL("file", prefix=str(Path(text).expanduser()))
     scheme = m.group(1).lower()
-    rest = text[m.end():]
+    rest = text[m.end() :]
     if scheme == "file":
         if not rest:
             raise UsageError(f"no path in {text!r}", hint=_HINT)
@@ -113,8 +114,9 @@ def check_object_key(key: str) -> str:
     """A key for an object store: '/'-separated, no leading or trailing '/', no empty, '.' or '..' segments
     (so it cannot leave its root), but any other character S3 takes. ``InvalidKeyError`` otherwise."""
     if not isinstance(key, str) or not key or any(seg in ("", ".", "..") for seg in key.split("/")):
-        raise InvalidKeyError(f"invalid object key {printable(str(key))!r}",
-                              hint="keys are relative names like 'dir/file'")
+        raise InvalidKeyError(
+            f"invalid object key {printable(str(key))!r}", hint="keys are relative names like 'dir/file'"
+        )
     return key
 
 

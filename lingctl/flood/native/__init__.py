@@ -70,8 +70,7 @@ def _openmp_flags() -> list[str]:
     ``libgomp.so.1``, which the loader finds already loaded by torch, so both share one OpenMP runtime and
     one thread pool (two runtimes would each keep spinning threads on the same cores)."""
     lib = Path(torch.__file__).parent / "lib"
-    return ["-fopenmp"] if (lib / "libgomp.so.1").exists() or "GNU OpenMP" in torch.__config__.parallel_info() \
-        else []
+    return ["-fopenmp"] if (lib / "libgomp.so.1").exists() or "GNU OpenMP" in torch.__config__.parallel_info() else []
 
 
 def _build() -> Path | None:
@@ -85,8 +84,11 @@ def _build() -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     flags = FLAGS + _openmp_flags()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode(),
-                                     platform.machine().encode()])).hexdigest()[:20]
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join(flags).encode(), version.encode(), _cpu_id().encode(), platform.machine().encode()]
+        )
+    ).hexdigest()[:20]
     directory = _cache_dir()
     target = directory / f"flood_kernels-{key}.so"
     if target.exists():
@@ -94,11 +96,15 @@ def _build() -> Path | None:
     fd, tmp = tempfile.mkstemp(prefix=".flood_kernels-", suffix=".so.tmp", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if result.returncode != 0:
-            log.info("building flood's kernels failed (%s); using torch's operators: %s", cc,
-                     result.stderr.strip().splitlines()[-1:] or "")
+            log.info(
+                "building flood's kernels failed (%s); using torch's operators: %s",
+                cc,
+                result.stderr.strip().splitlines()[-1:] or "",
+            )
             return None
         os.replace(tmp, target)  # atomic: a concurrent build of the same key wins or loses whole
         return target
@@ -128,8 +134,7 @@ class Kernels:
         self._combine.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
         self._attn = lib.flood_attention
         self._attn.restype = None
-        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr,
-                               _i64]
+        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64]
         # With OpenMP the library spreads each call over torch's threads itself.
         self.openmp = bool(lib.flood_openmp())
         self._pool: ThreadPoolExecutor | None = None
@@ -156,8 +161,14 @@ class Kernels:
         (32 floats). Otherwise a row's last columns could round differently alone and in a crowd."""
         return hidden % 32 == 0 and (2 * width) % 32 == 0 and hidden > 0 and width > 0 and top_k <= MAX_TOP_K
 
-    def moe(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, gate_up_EDX: torch.Tensor,
-            down_EID: torch.Tensor) -> torch.Tensor:
+    def moe(
+        self,
+        x_TD: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        gate_up_EDX: torch.Tensor,
+        down_EID: torch.Tensor,
+    ) -> torch.Tensor:
         """Routed experts' weighted sum [T, D] (float32, contiguous inputs; ids checked in range)."""
         t, d = x_TD.shape
         k = idx_TK.shape[1]
@@ -174,24 +185,55 @@ class Kernels:
         n = t * k
         outs = torch.empty(n, d, dtype=torch.float32)
         y = torch.empty(t, d, dtype=torch.float32)
-        ranges = ([(0, e)] if self.openmp else
-                  _split(torch.bincount(idx.view(-1), minlength=e).cumsum(0).tolist(), torch.get_num_threads()))
+        ranges = (
+            [(0, e)]
+            if self.openmp
+            else _split(torch.bincount(idx.view(-1), minlength=e).cumsum(0).tolist(), torch.get_num_threads())
+        )
 
         def experts(e0: int, e1: int) -> Callable[[], None]:
             scratch = torch.empty((n + 8) * (d + 3 * i), dtype=torch.float32)
             slot = torch.empty(max(1, n), dtype=torch.int64)
-            return lambda: self._experts(x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(),
-                                         down_EID.data_ptr(), e, i, e0, e1, outs.data_ptr(), scratch.data_ptr(),
-                                         slot.data_ptr())
+            return lambda: self._experts(
+                x.data_ptr(),
+                t,
+                d,
+                idx.data_ptr(),
+                k,
+                gate_up_EDX.data_ptr(),
+                down_EID.data_ptr(),
+                e,
+                i,
+                e0,
+                e1,
+                outs.data_ptr(),
+                scratch.data_ptr(),
+                slot.data_ptr(),
+            )
 
         self._run([experts(a, b) for a, b in ranges])
         rows = [(0, t)] if self.openmp else _split(list(range(1, t + 1)), len(ranges))
-        self._run([functools.partial(self._combine, idx.data_ptr(), w.data_ptr(), k, d, outs.data_ptr(),
-                                     y.data_ptr(), a, b) for a, b in rows])
+        self._run(
+            [
+                functools.partial(
+                    self._combine, idx.data_ptr(), w.data_ptr(), k, d, outs.data_ptr(), y.data_ptr(), a, b
+                )
+                for a, b in rows
+            ]
+        )
         return y
 
-    def attention(self, q_THD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, units_U4: torch.Tensor,
-                  keys: torch.Tensor, scale: float, out_THD: torch.Tensor, max_keys: int) -> None:
+    def attention(
+        self,
+        q_THD: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        units_U4: torch.Tensor,
+        keys: torch.Tensor,
+        scale: float,
+        out_THD: torch.Tensor,
+        max_keys: int,
+    ) -> None:
         """Fill the rows of ``out_THD`` that the units cover (see kernels.c for the unit layout)."""
         t, h, dh = q_THD.shape
         assert q_THD.dtype == k_pool.dtype == v_pool.dtype == out_THD.dtype == torch.float32
@@ -203,9 +245,21 @@ class Kernels:
 
         def part(a: int, b: int) -> Callable[[], None]:
             scores = torch.empty(max(1, max_keys), dtype=torch.float32)
-            return lambda: self._attn(q_THD.data_ptr(), h, dh, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
-                                      units[a:].data_ptr(), b - a, keys.data_ptr(), scale, out_THD.data_ptr(),
-                                      scores.data_ptr(), max(1, max_keys))
+            return lambda: self._attn(
+                q_THD.data_ptr(),
+                h,
+                dh,
+                k_pool.data_ptr(),
+                v_pool.data_ptr(),
+                k_pool.shape[1],
+                units[a:].data_ptr(),
+                b - a,
+                keys.data_ptr(),
+                scale,
+                out_THD.data_ptr(),
+                scores.data_ptr(),
+                max(1, max_keys),
+            )
 
         parts = [(0, len(work))] if self.openmp else _split(work, torch.get_num_threads())
         self._run([part(a, b) for a, b in parts if b > a] or [lambda: None])
