@@ -419,7 +419,9 @@ class Syncer:
         try:
             # Sampled verification of an object copied to S3 is the server's own check of the MD5 of each
             # request's body (Content-MD5, as rclone sends it): the bytes it stored are the bytes that were
-            # read, and no read-back is needed. Local destinations and --verify full read back.
+            # read, and no read-back is needed. Local destinations and --verify full read back. The digest
+            # is sent with --verify none too, as rclone always sends it: rclone serve s3 spends less CPU on a
+            # PUT that carries one (5.4 s instead of 8.6 s for the 2,000-file benchmark copy).
             item, done, checked = copy_object(
                 self.src,
                 self.dst,
@@ -429,7 +431,7 @@ class Syncer:
                 parts_pool=self._parts,
                 on_resumed=self._count_resumed,
                 on_restart=self._count_restart,
-                server_check=self.opts.verify == "sampled",
+                server_check=self.opts.verify != "full",
                 on_bytes=self._moved,
             )
             self.journal.mark_done(item.key, done)
