@@ -104,7 +104,13 @@ def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_
     user_files_unchanged()
     # step-2 was written and then pruned; the user's step-100 sorts last and was neither counted nor touched.
     assert checkpoints() == {"step-00000004", "step-00000100"}
-    assert manifest_entries(user) == {"tokenizer.json", "metrics.jsonl", "latest.json", "checkpoints/step-00000004"}
+    assert manifest_entries(user) == {
+        "tokenizer.json",
+        "metrics.jsonl",
+        "latest.json",
+        "loss.png",
+        "checkpoints/step-00000004",
+    }
 
     resumed = lingctl(*common, "--steps", "6", "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -120,6 +126,7 @@ def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_
     assert records(legacy.stdout)[-1]["resumed_from"] == 6
     user_files_unchanged()
     assert checkpoints() == {"step-00000006", "step-00000008", "step-00000100"}
+    # The loss.png the run drew before is unlisted now, so it is kept as it is and not drawn over.
     assert manifest_entries(user) == {"metrics.jsonl", "latest.json", "checkpoints/step-00000008"}
 
 
