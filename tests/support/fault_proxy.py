@@ -194,8 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.upstream.close()
             self._answer_bad_gateway(exc)
             return
-        self._relay(response)
+        # Counted before the answer goes back: a client that has its answer sees the count include it.
         proxy._count("forwarded")
+        self._relay(response)
 
     def _relay(self, response: http.client.HTTPResponse) -> None:
         headers = response.getheaders()

@@ -293,8 +293,14 @@ def test_attach_once_json_on_a_live_training_loop(procs) -> None:
 def test_attach_streams_json_lines_until_interrupted(procs) -> None:
     p = start(procs, "-m", "tests.timer.test_attach", "loop")
     wait_for_ring(p.pid, steps=2)
+    # Ctrl-C's default action for the viewer, whatever this test run inherited: a test suite started in the
+    # background by a shell ignores SIGINT, its children inherit that, and Python then installs no handler.
+    argv = [sys.executable, "-m", "lingctl", "timer", "attach", "--pid", str(p.pid), "--json", "--interval", "0.2"]
+    restore = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
     viewer = subprocess.Popen(
-        [sys.executable, "-m", "lingctl", "timer", "attach", "--pid", str(p.pid), "--json", "--interval", "0.2"],
+        [sys.executable, "-c", restore, *argv],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
