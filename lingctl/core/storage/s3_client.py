@@ -179,3 +179,12 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
     if isinstance(exc, bx.BotoCoreError):
         return LingctlError(f"S3 error on {what} at {where}: {exc}")
     raise exc
+
+
+def ca_bundle() -> str | None:
+    """The CA bundle for https endpoints: ``AWS_CA_BUNDLE``, else botocore's (certifi's), as boto3 uses."""
+    if os.environ.get("AWS_CA_BUNDLE"):
+        return os.environ["AWS_CA_BUNDLE"]
+    from botocore.httpsession import get_cert_path
+
+    return get_cert_path(True)

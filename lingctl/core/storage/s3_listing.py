@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 import re
 import threading
 import time
@@ -32,7 +31,7 @@ from lingctl.core.names import printable
 from lingctl.core.storage import http_wire, sigv4
 from lingctl.core.storage.crawl import Crawl, Listed
 from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
-from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, translate
+from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, ca_bundle, translate
 from lingctl.core.storage.url import StoreURL, redact_url
 
 log = logging.getLogger("lingctl.babel.listing")
@@ -237,11 +236,7 @@ class S3Lister:
             self.base = f"{parsed.scheme}://{self.bucket}.{parsed.netloc}{parsed.path or '/'}"
         base = urlparse(self.base)
         self._host, self._path = base.netloc, base.path or "/"
-        ca_certs = None
-        if parsed.scheme == "https":
-            from botocore.httpsession import get_cert_path
-
-            ca_certs = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
+        ca_certs = ca_bundle() if parsed.scheme == "https" else None
         proxy = http_wire.proxy_for(parsed.scheme, parsed.hostname or "")
         self._wire: http_wire.Pool | None = None
         self.http: Any = None

@@ -44,7 +44,7 @@ import botocore.exceptions
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import http_wire, sigv4
-from lingctl.core.storage.s3_client import S3Options, translate
+from lingctl.core.storage.s3_client import S3Options, ca_bundle, translate
 
 Headers = Mapping[str, str]  # case-insensitive (http_wire.Headers, or urllib3's HTTPHeaderDict via a proxy)
 
@@ -200,7 +200,7 @@ class SignedS3Client:
         https = parts.scheme == "https"
         self._https = https
         self.sign_payload = sign_payload  # None: hash the body only over http and without a checksum header
-        ca_certs = _ca_certs() if https else None
+        ca_certs = ca_bundle() if https else None
         proxy = http_wire.proxy_for(parts.scheme, parts.hostname or "")
         self._wire: http_wire.Pool | None = None
         if proxy:
@@ -461,15 +461,6 @@ class SignedS3Client:
         if resp.status >= 300:
             raise _http_error(resp, operation, key)
         return resp
-
-
-def _ca_certs() -> str | None:
-    """The CA bundle for https endpoints: ``AWS_CA_BUNDLE``, else botocore's (certifi's), as boto3 uses."""
-    if os.environ.get("AWS_CA_BUNDLE"):
-        return os.environ["AWS_CA_BUNDLE"]
-    from botocore.httpsession import get_cert_path
-
-    return get_cert_path(True)
 
 
 def _checked_metadata(metadata: Mapping[str, str]) -> Mapping[str, str]:
