@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from lingctl.commands.options import JsonOpt
+from lingctl.commands.pcache_render import render_plan
 from lingctl.commands.pcache_tier import status, upload
 from lingctl.core.output import Output, to_jsonable
 
@@ -131,7 +132,7 @@ def plan(
     }
     settings = build(PlanSettings, file=config, section="pcache" if config is not None else None, overrides=overrides)
     report = make_plan(settings, list_items=items)
-    Output(json).result(to_jsonable(report), report.render)
+    Output(json).result(to_jsonable(report), lambda console: render_plan(report, console))
 
 
 app.command("status")(status)

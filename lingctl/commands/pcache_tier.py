@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from lingctl.commands.options import (
     DEFAULT_RETRIES,
+    DURATION_FORMS,
     EndpointOpt,
     JsonOpt,
     PathStyleOpt,
@@ -16,8 +17,10 @@ from lingctl.commands.options import (
     RegionOpt,
     RetriesOpt,
     VerifyMode,
+    duration,
     s3_options,
 )
+from lingctl.commands.pcache_render import render_status
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.units import format_size
@@ -49,23 +52,9 @@ def status(
     out = Output(json)
     rows = tier_status.status(path, remote, s3_options(endpoint_url, region, profile, path_style, retries))
 
-    def human(console: Any) -> None:
-        if not rows:
-            console.print(f"no checkpoints under {path}", markup=False)
-            return
-        from rich.table import Table
-
-        table = Table(box=None, pad_edge=False)
-        for column in ("name", "state", "files", "size", "uploaded"):
-            table.add_column(column, justify="right" if column in ("files", "size", "uploaded") else "left")
-        for r in rows:
-            table.add_row(r.name, r.state, str(r.files), format_size(r.bytes), format_size(r.uploaded_bytes))
-        console.print(table)
-        for r in rows:
-            for problem in r.problems:
-                console.print(f"{r.name}: {problem}", markup=False)
-
-    out.result({"path": str(path), "checkpoints": to_jsonable(rows)}, human)
+    out.result(
+        {"path": str(path), "checkpoints": to_jsonable(rows)}, lambda console: render_status(path, rows, console)
+    )
     failed = [r for r in rows if r.state == "upload-failed"]
     if failed:
         first = failed[0]
@@ -85,7 +74,13 @@ def upload(
         VerifyMode, typer.Option("--verify", help="Check local files before and copies after: none, sampled or full.")
     ] = "full",
     timeout: Annotated[
-        float, typer.Option("--timeout", metavar="SECONDS", help="How long to wait for files other nodes upload.")
+        float,
+        typer.Option(
+            "--timeout",
+            parser=duration,
+            metavar="DURATION",
+            help=f"How long to wait for files other nodes upload ({DURATION_FORMS}).",
+        ),
     ] = 60.0,
     endpoint_url: EndpointOpt = None,
     region: RegionOpt = None,

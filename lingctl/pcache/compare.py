@@ -36,11 +36,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from lingctl.core.errors import UsageError
-from lingctl.core.units import format_size
 from lingctl.pcache.assign import Placement, fill, place
 from lingctl.pcache.layout import DEFAULT_ORDER, OPTIMIZERS, Items, Parallelism, param_dtype, write_items
 from lingctl.pcache.model_tensors import load_model
@@ -193,10 +190,6 @@ class PlanReport:
 
     def strategy(self, name: str) -> StrategySummary:
         return next(s for s in self.strategies if s.name == name)
-
-    def render(self, console: Console) -> None:
-        """The human view: what was planned, the strategies side by side, and bytes per node."""
-        render_report(self, console)
 
 
 # -- strategies ------------------------------------------------------------------------------------------
@@ -516,112 +509,3 @@ def plan(settings: PlanSettings, *, list_items: bool = False) -> PlanReport:
         ranks=result.ranks,
         write_items=result.write_items,
     )
-
-
-# -- human view ------------------------------------------------------------------------------------------
-_MAX_NODE_ROWS = 32
-
-
-def render_report(report: PlanReport, console: Console) -> None:
-    p, m = report.parallelism, report.model
-    gbps = report.topology["node_gbps"]
-    nodes = len(gbps)
-    world = len(report.topology["rank_nodes"])
-    speed = f"{gbps[0]:g} GB/s each" if len(set(gbps)) == 1 else f"{min(gbps):g}-{max(gbps):g} GB/s"
-    optimizer = report.optimizer + (", sharded over dp" if p.shard_optimizer and report.optimizer != "none" else "")
-    console.print(
-        f"model {m['source']}: {_count(m['parameters'])} parameters ({'/'.join(m['dtypes'])}) in "
-        f"{m['tensors']:,} tensors, {m['layers']} layers, {m['experts']} experts; optimizer {optimizer}",
-        markup=False,
-    )
-    console.print(
-        f"{world} ranks on {nodes} nodes ({speed}); tp {p.tp} x pp {p.pp} x dp {p.dp}, ep {p.ep}, order {p.order}",
-        markup=False,
-    )
-    console.print(
-        f"{report.items:,} write items, {format_size(report.total_bytes)}; the lingctl plan cuts them "
-        f"into {report.chunks:,} chunks of <= {format_size(report.chunk_bytes)} "
-        f"(planned in {report.plan_seconds:.2f} s)",
-        markup=False,
-    )
-    table = Table(show_edge=False, pad_edge=False)
-    for title in (
-        "strategy",
-        "writes",
-        "max/rank",
-        "mean/rank",
-        "busiest node",
-        "node/mean",
-        "est. time",
-        "x bound",
-        "staging",
-        "async_save",
-    ):
-        table.add_column(title, justify="left" if title == "strategy" else "right")
-    for s in report.strategies:
-        table.add_row(
-            s.label,
-            _or_dash(s.writes, "{:,}"),
-            format_size(s.rank_bytes_max),
-            format_size(s.rank_bytes_mean),
-            format_size(max(s.node_bytes)) if s.node_bytes else "-",
-            _or_dash(s.node_ratio, "{:.2f}x"),
-            _duration(s.seconds),
-            _or_dash(s.vs_bound, "{:.2f}x"),
-            format_size(s.staging_bytes) if s.staging_bytes is not None else "-",
-            format_size(s.staging_async_bytes) if s.staging_async_bytes is not None else "-",
-        )
-    console.print(table)
-    by_node = Table(show_edge=False, pad_edge=False, title="bytes per node", title_justify="left")
-    for title in ("node", "ranks", "GB/s", "rank-0", "DCP", "lingctl", "lingctl time"):
-        by_node.add_column(title, justify="right")
-    counts = np.bincount(report.topology["rank_nodes"], minlength=nodes).tolist()
-    r0, dcp, ours = (report.strategy(n).node_bytes or [] for n in ("rank0", "dcp", "lingctl"))
-    for n in range(min(nodes, _MAX_NODE_ROWS)):
-        by_node.add_row(
-            str(n),
-            str(counts[n]),
-            f"{gbps[n]:g}",
-            format_size(r0[n]),
-            format_size(dcp[n]),
-            format_size(ours[n]),
-            _duration(ours[n] / (gbps[n] * 1e9)),
-        )
-    console.print(by_node)
-    if nodes > _MAX_NODE_ROWS:
-        console.print(f"... {nodes - _MAX_NODE_ROWS} more nodes (all of them with --json)", markup=False)
-    if report.write_items is not None:
-        items = Table(show_edge=False, pad_edge=False, title="write items", title_justify="left")
-        for title in ("item", "bytes", "holders", "rank-0", "DCP", "lingctl (rows->rank)"):
-            items.add_column(title, justify="left" if title == "item" else "right")
-        for it in report.write_items:
-            items.add_row(
-                it["name"],
-                format_size(it["bytes"]),
-                str(it["holders"]),
-                str(it["rank0"]),
-                str(it["dcp"]),
-                " ".join(f"{a}:{a + b}->{r}" for a, b, r in it["lingctl"]),
-            )
-        console.print(items)
-
-
-def _or_dash(value: float | None, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return str(n)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 10:
-        return f"{seconds:.2f} s"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -188,3 +190,13 @@ def test_world_must_match_parallelism():
         run(tp=2, dp=4)
     with pytest.raises(UsageError, match="3 bandwidth value"):
         run(node_bandwidth="1,2,3")
+
+
+def test_the_library_does_not_load_rich():
+    # The plan is a record; `lingctl pcache` draws it. A fresh interpreter, since this one has Rich loaded.
+    code = (
+        "import sys, lingctl.pcache.compare; print(sorted({m.split('.')[0] for m in sys.modules} & {'rich', 'typer'}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
