@@ -79,7 +79,8 @@ from flood_vs_hf import SEED, Workload, agreement, ling_config, run_flood, workl
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # read before anything changes it
 
 import lingctl  # noqa: E402
-from lingctl.model.checkpoint import CONFIG, save_checkpoint  # noqa: E402
+from lingctl.model.checkpoint import save_checkpoint  # noqa: E402
+from lingctl.model.checkpoint_files import CONFIG  # noqa: E402
 from lingctl.model.ling import LingForCausalLM  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent

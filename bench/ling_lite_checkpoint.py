@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lingctl.model.checkpoint import CONFIG, WEIGHTS_INDEX, model_state  # noqa: E402
+from lingctl.model.checkpoint import model_state  # noqa: E402
+from lingctl.model.checkpoint_files import CONFIG, WEIGHTS_INDEX  # noqa: E402
 from lingctl.model.ling import LingForCausalLM  # noqa: E402
 from lingctl.model.presets import preset  # noqa: E402
 from lingctl.model.safetensors_io import DEFAULT_METADATA  # noqa: E402

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import tempfile
 import threading
@@ -15,6 +14,7 @@ import typer
 
 from lingctl.commands.options import STDOUT, Dtype, JsonOpt
 from lingctl.core.errors import UsageError
+from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.units import format_size
 
@@ -136,7 +136,8 @@ def run(
         )
     # With the answers on stdout, the summary (human or JSON) goes to stderr so stdout stays pure JSONL.
     out_ = Output(json, stdout=sys.stderr) if to_stdout else Output(json)
-    stop = {"requested": False}
+    # Ctrl-C / SIGTERM finish the current step and stop (the output so far is kept; --resume continues).
+    stop = GracefulStop(lambda: out_.warn("stopping after this step (interrupt again to abort)"))
     with ExitStack() as stack:
         if to_stdout and not dry_run:
             # The run writes its usual files into a private directory; a thread copies each finished answer line
@@ -144,7 +145,7 @@ def run(
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lingctl-flood-")))
             out = scratch / f"{batch.stem}.output.jsonl"
             errors = errors if errors is not None else batch.with_name(f"{batch.stem}.errors.jsonl")
-            stack.enter_context(_StdoutTail(out, on_broken_pipe=lambda: stop.update(requested=True)))
+            stack.enter_context(_StdoutTail(out, on_broken_pipe=stop.request))
         elif to_stdout:
             out = None  # a dry run writes nothing: plan against the default names
         opts = FloodOptions(
@@ -170,25 +171,10 @@ def run(
     out_.result(to_jsonable(summary), lambda c: _summary(summary, c))
 
 
-def _run(out_: Output, opts: Any, run_batch: Any, stop: dict[str, bool]) -> FloodSummary:
+def _run(out_: Output, opts: Any, run_batch: Any, stop: GracefulStop) -> FloodSummary:
     """``run_batch`` with Ctrl-C / SIGTERM turned into a stop after the current step."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        out_.warn("stopping after this step (interrupt again to abort)")
-
-    view = _View(out_)
-    for sig in previous:
-        signal.signal(sig, on_signal)
-    try:
-        with view:
-            return run_batch(opts, on_progress=view.update, should_stop=lambda: stop["requested"])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with graceful_stop(stop), _View(out_) as view:
+        return run_batch(opts, on_progress=view.update, should_stop=stop)
 
 
 def _summary(s: FloodSummary, console: Any) -> None:

@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from lingctl.commands.options import EndpointOpt, JsonOpt, PathStyleOpt, ProfileOpt, RegionOpt, s3_options
+from lingctl.commands.options import (
+    DURATION_FORMS,
+    EndpointOpt,
+    JsonOpt,
+    PathStyleOpt,
+    ProfileOpt,
+    RegionOpt,
+    duration,
+    s3_options,
+)
 from lingctl.core.errors import Interrupted, UsageError
+from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
 from lingctl.model.presets import PRESETS
 
 if TYPE_CHECKING:
-    from lingctl.train.trainer import Record, Trainer, TrainResult
+    from lingctl.train.trainer import Record, TrainResult
 
 
 class ReportTo(str, Enum):  # lingctl.train.config.REPORT_TO (not imported here: it loads torch)
@@ -79,7 +89,13 @@ def train(
     ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps in total.")] = None,
     max_seconds: Annotated[
-        float | None, typer.Option("--max-seconds", help="Stop (with a checkpoint) after this much wall time.")
+        float | None,
+        typer.Option(
+            "--max-seconds",
+            parser=duration,
+            metavar="DURATION",
+            help=f"Stop (with a checkpoint) after this much wall time ({DURATION_FORMS}).",
+        ),
     ] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per step.")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")] = None,
@@ -170,7 +186,12 @@ def train(
     sync_every: Annotated[int | None, typer.Option("--sync-every", help="edit: local steps between syncs.")] = None,
     sync_every_seconds: Annotated[
         float | None,
-        typer.Option("--sync-every-seconds", help="edit: sync by time instead; faster workers take more local steps."),
+        typer.Option(
+            "--sync-every-seconds",
+            parser=duration,
+            metavar="DURATION",
+            help=f"edit: sync by time instead ({DURATION_FORMS}); faster workers take more local steps.",
+        ),
     ] = None,
     simulate_slow_rank: Annotated[
         int | None, typer.Option("--simulate-slow-rank", help="Fault drill: this worker runs --slowdown times slower.")
@@ -244,40 +265,22 @@ def train(
     for item in settings or []:
         key, value = parse_override(item)
         overrides[key] = value
-    view = _View(out_)
-    trainers: list[Trainer] = []
-
-    def on_start(trainer: Trainer) -> None:
-        trainers.append(trainer)
-        view.start(trainer)
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def stop(signum: int, frame: Any) -> None:
-        if trainers and not trainers[0].stop_requested:
-            trainers[0].stop_requested = True
-            out_.warn("stopping after this step; saving a checkpoint (interrupt again to abort)")
-            return
-        raise KeyboardInterrupt
-
-    for sig in previous:
-        signal.signal(sig, stop)
-    try:
-        with view:
-            result = run_training(
-                out=out,
-                resume=resume,
-                overrides=overrides,
-                config_file=config,
-                s3=s3_options(endpoint_url, region, profile, path_style),
-                on_record=view.record,
-                on_start=on_start,
-                cache_dir=cache_dir,
-                adopt=adopt,
-            )
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # During start-up a Ctrl-C aborts at once; from the first step on it finishes the step and checkpoints.
+    stop = GracefulStop(
+        lambda: out_.warn("stopping after this step; saving a checkpoint (interrupt again to abort)"), armed=False
+    )
+    with graceful_stop(stop), _View(out_, on_start=stop.arm) as view:
+        result = run_training(
+            out=out,
+            resume=resume,
+            overrides=overrides,
+            config_file=config,
+            s3=s3_options(endpoint_url, region, profile, path_style),
+            on_record=view.record,
+            should_stop=stop,
+            cache_dir=cache_dir,
+            adopt=adopt,
+        )
     out_.result(_result_json(result), lambda c: _summary(result, c))
     if result.stopped == "interrupted":
         raise Interrupted(
@@ -354,8 +357,9 @@ class _View:
     """The live view: a Rich bar with loss, tokens/s and expert balance on a terminal; JSON lines with
     --json; a status line every few seconds otherwise (logs, CI)."""
 
-    def __init__(self, out: Output) -> None:
+    def __init__(self, out: Output, *, on_start: Callable[[], None] = lambda: None) -> None:
         self.out = out
+        self._on_start = on_start  # the run has reached its first step
         self._cm: Any = None
         self._task: Any = None
         self._last = 0.0
@@ -369,34 +373,40 @@ class _View:
         if self._cm is not None:
             self._cm.__exit__(*exc)
 
-    def start(self, trainer: Trainer) -> None:
-        c = trainer.model.config
+    def _start(self, r: Record) -> None:
+        workers = f", {r['workers']} workers ({r['sync']})" if r.get("workers", 1) > 1 else ""
         self.out.info(
-            f"run {trainer.run.describe()}: {trainer.config.preset}, "
-            f"{c.num_parameters() / 1e6:.1f}M parameters ({c.num_parameters(active=True) / 1e6:.1f}M active), "
-            f"{len(trainer.data.tokens.train)} training sequences of {trainer.res.seq_len} tokens"
+            f"run {r['run_dir']}: {r['preset']}, {r['parameters'] / 1e6:.1f}M parameters "
+            f"({r['active_parameters'] / 1e6:.1f}M active), {r['train_sequences']} training sequences of "
+            f"{r['seq_len']} tokens{workers}"
         )
-        self._total = trainer.config.steps
-        self._cm = self.out.progress("training", total=trainer.config.steps)
+        self._total = r["steps"]
+        self._cm = self.out.progress("training", total=r["steps"])
         self._task = self._cm.__enter__()
-        self._task.update(total=trainer.config.steps)
-        if trainer.step:
-            self._task.advance(trainer.step)
+        self._task.update(total=r["steps"])
+        if r["step"]:
+            self._task.advance(r["step"])
 
     def record(self, record: Record) -> None:
+        if record["event"] == "start":
+            self._on_start()
         if self.out.json_mode:
             self.out.record(record)
             return
         event = record["event"]
-        if event == "preparing":
+        if event == "start":
+            self._start(record)
+        elif event == "preparing":
             where = f"; {record['report_to']} files in {record['report_dir']}" if "report_dir" in record else ""
             self.out.info(f"preparing run {record['run_dir']}: tokenizing data, building the model{where}")
         elif event == "step":
             load = record["expert_load"]
             cv = max((x["cv"] for x in load), default=0.0)
+            paces = record.get("worker_tokens_per_s")
+            per_worker = f" ({'/'.join(f'{x:,.0f}' for x in paces)} per worker)" if paces else ""
             text = (
                 f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
-                f"{record['tokens_per_s']:,.0f} tok/s expert cv {cv:.2f}"
+                f"{record['tokens_per_s']:,.0f} tok/s{per_worker} expert cv {cv:.2f}"
             )
             self._task.update(description=f"step {record['step']} {text}")
             self._task.advance(1)

@@ -39,9 +39,13 @@ from typing import Any
 
 from lingctl.core.errors import AccessDeniedError, LingctlError, NotFoundError, os_error
 
-# What a model directory is made of (lingctl.flood.model_dir, lingctl.model.checkpoint): downloading stops there.
+# A snapshot is a model directory when it holds this file.
+CONFIG_FILE = "config.json"
+# What a model directory is made of in the Hugging Face layout (lingctl.flood.model_dir, lingctl.model.checkpoint):
+# downloading stops there. The names are lingctl.model.checkpoint_files' (core sits below model, so it cannot
+# import them); tests/model/test_checkpoint_files.py checks that these patterns keep matching them.
 MODEL_FILES = (
-    "config.json",
+    CONFIG_FILE,
     "generation_config.json",
     "*.safetensors",
     "model.safetensors.index.json",
@@ -157,7 +161,7 @@ def _snapshot(hub_id: HubId, option: str) -> Path:
     get = f"'hf download {repo_id} --revision {revision}' (older releases: 'huggingface-cli download')"
     if _COMMIT_RE.fullmatch(revision):
         cached = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
-        if (cached / "config.json").is_file():
+        if (cached / CONFIG_FILE).is_file():
             return cached
     refused: Exception | None = None  # the Hub's answer when it would not serve the model
     if hub_offline():
@@ -234,9 +238,9 @@ def _download(
 
 
 def _checked(folder: Path, where: str, get: str) -> Path:
-    if not (folder / "config.json").is_file():
+    if not (folder / CONFIG_FILE).is_file():
         raise NotFoundError(
-            f"{where}: the cached snapshot {folder} has no config.json, so it is not a model directory",
+            f"{where}: the cached snapshot {folder} has no {CONFIG_FILE}, so it is not a model directory",
             hint=f"download the model again: {get}",
         )
     return folder

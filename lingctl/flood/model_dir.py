@@ -21,15 +21,20 @@ import torch
 
 from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.flood.loader import LoadStats, load_streaming
-from lingctl.model.checkpoint import CONFIG, GENERATION_CONFIG, TOKENIZER, load_config, weight_files
+from lingctl.model.checkpoint import load_config, weight_files
+from lingctl.model.checkpoint_files import (
+    CHAT_TEMPLATE,
+    CONFIG,
+    GENERATION_CONFIG,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+)
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import read_entries
 
 log = logging.getLogger(__name__)
-
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,7 +87,7 @@ class ModelDir:
     def chat_template(self) -> str | None:
         """``chat_template.jinja`` beside the weights, else ``tokenizer_config.json``'s ``chat_template``
         (a string, or a list of named templates of which "default" is taken), as transformers does."""
-        f = self.path / CHAT_TEMPLATE_FILE
+        f = self.path / CHAT_TEMPLATE
         if f.exists():
             return f.read_text()
         t = self.tokenizer_config().get("chat_template")

@@ -12,6 +12,7 @@ from typing import Any
 
 from lingctl.flood.chat_template import RenderError, TemplateLimits, TemplateRenderer, check_syntax
 from lingctl.flood.requests import Request
+from lingctl.model.checkpoint_files import TOKENIZER
 
 
 class PromptError(ValueError):
@@ -32,10 +33,10 @@ class TextCodec:
         path: Path, *, chat_template: str | None, special_tokens: dict[str, str], limits: TemplateLimits | None = None
     ) -> TextCodec:
         tok = None
-        if (path / "tokenizer.json").exists():
-            from lingctl.train.tokenizer import load_tokenizer
+        if (path / TOKENIZER).exists():
+            from lingctl.model.tokenizer import load_tokenizer
 
-            tok = load_tokenizer(path / "tokenizer.json")
+            tok = load_tokenizer(path / TOKENIZER)
         return TextCodec(tok, chat_template, dict(special_tokens), limits or TemplateLimits())
 
     def check_template(self) -> None:

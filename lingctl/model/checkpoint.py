@@ -22,6 +22,7 @@ import torch
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.core.units import parse_size
+from lingctl.model.checkpoint_files import CONFIG, GENERATION_CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX
 from lingctl.model.config import LingConfig
 from lingctl.model.hf_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -39,12 +40,6 @@ from lingctl.model.moe import Dispatch
 from lingctl.model.safetensors_io import DEFAULT_METADATA, load_safetensors, read_header, write_safetensors
 
 log = logging.getLogger(__name__)
-
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
-GENERATION_CONFIG = "generation_config.json"
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

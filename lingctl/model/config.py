@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
+from lingctl.model.checkpoint_files import CONFIG
 
 MODEL_TYPE = "bailing_moe"
 ARCHITECTURE = "BailingMoeForCausalLM"
@@ -187,7 +188,7 @@ class LingConfig:
         return data
 
     @classmethod
-    def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config.json") -> LingConfig:
+    def from_hf_dict(cls, data: dict[str, Any], *, source: str = CONFIG) -> LingConfig:
         model_type = data.get("model_type")
         if model_type != MODEL_TYPE:
             raise LingctlError(f"{source}: model_type is {model_type!r}, expected {MODEL_TYPE!r} (a Ling checkpoint)")
@@ -237,7 +238,7 @@ class LingConfig:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise NotFoundError(f"no config.json at {path}") from None
+            raise NotFoundError(f"no {CONFIG} at {path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise LingctlError(f"{path}: not valid JSON: {exc}") from None
         if not isinstance(data, dict):

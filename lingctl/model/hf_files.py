@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lingctl.model.checkpoint_files import SHARD_NAME, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
 
 # The Hub repository whose configuration_bailing_moe.py / modeling_bailing_moe.py the auto_map names.
@@ -28,10 +29,6 @@ MODELING_MODULE = "modeling_bailing_moe"
 
 # save_pretrained's default: shards of at most 5 GB (decimal), so no single file is awkward to move.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
-
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|startoftext|>"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import LingctlError, UsageError
+from lingctl.model.checkpoint_files import CONFIG
 
 DTYPE_SIZES = {
     "float64": 8,
@@ -174,7 +175,7 @@ def _directory_model(path: Path) -> Model:
     from lingctl.model.safetensors_io import read_header
 
     config: dict[str, Any] = {}
-    config_path = path / "config.json"
+    config_path = path / CONFIG
     if config_path.exists():
         try:
             config = json.loads(config_path.read_text())

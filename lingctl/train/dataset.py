@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from lingctl.model.config import LingConfig
+from lingctl.model.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from lingctl.train.config import Resolved, TrainConfig, model_config
 from lingctl.train.data import (
     TokenData,
@@ -20,7 +21,6 @@ from lingctl.train.data import (
     resolve_sources,
 )
 from lingctl.train.sources import tokenizer_source
-from lingctl.train.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from lingctl.train.edit import EditSynchronizer
-from lingctl.train.trainer import Record, Trainer, TrainResult
+from lingctl.train.trainer import Boundary, Record, Trainer, worker_rates
 
-_STEPS, _STOP, _OUT_OF_TIME, _SYNC_S, _SINCE = range(5)
+_STEPS, _STOP, _OUT_OF_TIME, _SYNC_S, _SINCE, _BUSY_S, _TOKENS = range(7)
 
 
 class LocalSgdTrainer(Trainer):
@@ -91,106 +91,96 @@ class LocalSgdTrainer(Trainer):
                     dist.all_reduce(p.grad)
                     p.grad /= self.workers.world
 
-    # -- schedules by global progress ----------------------------------------------------------------
-    def _lr(self) -> float:
-        saved, self.step = self.step, self.global_steps // self.workers.world + self.since_sync
-        try:
-            return super()._lr()
-        finally:
-            self.step = saved
+    # -- progress counted over all workers -----------------------------------------------------------
+    def schedule_step(self) -> int:
+        return self.global_steps // self.workers.world + self.since_sync
 
     def checkpoint_step(self) -> int:
         return self.global_steps // self.workers.world
 
-    # -- the loop ---------------------------------------------------------------------------------------
-    def train(self) -> TrainResult:
-        c = self.config
-        start = time.monotonic()
-        first_loss = last_loss = eval_loss = None
-        checkpoint: str | None = None
-        stopped = "completed"
-        if self.global_steps >= self.budget:
-            return self._result(None, None, None, None, start, stopped)
-        self._metrics = open(self.metrics_path, "a", encoding="utf-8") if self.metrics_path else None
+    def _finished(self) -> bool:
+        return self.global_steps >= self.budget
+
+    # -- the loop's hooks: a boundary is a sync ------------------------------------------------------
+    def _loop_starts(self) -> None:
         self.last_sync_end = time.monotonic()
-        last_sync_s = 0.0
-        armed = False
-        try:
-            while True:
-                if self.warmup_left == 0 and self._sync_due():
-                    counters = self.workers.gather(
-                        [
-                            float(self.step),
-                            1.0 if self.stop_requested else 0.0,
-                            1.0 if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds else 0.0,
-                            last_sync_s,
-                            float(self.since_sync),
-                        ]
-                    )
-                    before = self.global_steps
-                    self.global_steps = int(counters[:, _STEPS].sum())
-                    progress = self.global_steps // self.workers.world
-                    final = (
-                        self.global_steps >= self.budget or counters[:, _STOP].any() or counters[:, _OUT_OF_TIME].any()
-                    )
-                    eval_due = (
-                        bool(c.eval_every) and progress // c.eval_every > (before // self.workers.world) // c.eval_every
-                    )
-                    save_due = (
-                        bool(c.save_every) and progress // c.save_every > (before // self.workers.world) // c.save_every
-                    )
-                    t0 = time.monotonic()
-                    if final or eval_due or save_due or not c.edit.layerwise:
-                        self.sync.sync_now()
-                        last_sync_s = time.monotonic() - t0
-                        self._sync_record(counters, "whole")
-                    else:
-                        self.sync.arm()
-                        armed = True
-                    self.syncs += 1
-                    self._plan_next_period(counters)
-                    if not armed:
-                        if eval_due or final:
-                            eval_loss = self._eval()
-                        if save_due or final:
-                            checkpoint = self._save(start)
-                        if final:
-                            stopped = (
-                                "interrupted"
-                                if counters[:, _STOP].any()
-                                else "time limit"
-                                if counters[:, _OUT_OF_TIME].any() and self.global_steps < self.budget
-                                else "completed"
-                            )
-                            break
-                    self.since_sync = 0
-                    self.last_sync_end = time.monotonic()
-                record = self._attempt()
-                if armed:
-                    self.sync.finish()
-                    last_sync_s = self.sync.last_stats.wait_s
-                    self._sync_record(counters, "layerwise")
-                    armed = False
-                if record is None:
-                    continue
-                if self.warmup_left > 0:  # a synchronous step: every worker took it
-                    self.warmup_left -= 1
-                    self.global_steps += self.workers.world
-                    if self.warmup_left == 0:
-                        self.sync.reset_anchor()  # local SGD starts from the replicas' common parameters
-                        self.last_sync_end = time.monotonic()
-                else:
-                    self.since_sync += 1
-                self._drills(record)
-                first_loss = record["loss"] if first_loss is None else first_loss
-                last_loss = record["loss"]
-        finally:
-            if self._metrics is not None:
-                self._metrics.close()
-            if self.workers.is_main:
-                self.run.wait_uploads()
-                self.run.publish(["metrics.jsonl"])
-        return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+        self.last_sync_s = 0.0
+        self.tokens_since_sync = 0
+        self.synced = False
+        self.armed: Any = None  # the counters of a layer-wise sync that the next step's forward completes
+
+    def _boundary(self, start: float) -> Boundary:
+        """At a due sync: agree on progress (one small all-gather), then sync the model whole when the sync
+        ends in an eval, a checkpoint or the end of the run, else arm the layer-wise sync for the next step."""
+        c, w = self.config, self.workers
+        if self.warmup_left > 0 or not self._sync_due():
+            return Boundary()
+        counters = w.gather(
+            [
+                float(self.step),
+                1.0 if self.should_stop() else 0.0,
+                1.0 if c.max_seconds is not None and time.monotonic() - start >= c.max_seconds else 0.0,
+                self.last_sync_s,
+                float(self.since_sync),
+                time.monotonic() - self.last_sync_end,  # this worker's time since the last sync: its pace
+                float(self.tokens_since_sync),
+            ]
+        )
+        before = self.global_steps // w.world
+        self.global_steps = int(counters[:, _STEPS].sum())
+        progress = self.global_steps // w.world
+        stopping, out_of_time = bool(counters[:, _STOP].any()), bool(counters[:, _OUT_OF_TIME].any())
+        final = self.global_steps >= self.budget or stopping or out_of_time
+        eval_due = bool(c.eval_every) and progress // c.eval_every > before // c.eval_every
+        save_due = bool(c.save_every) and progress // c.save_every > before // c.save_every
+        self.syncs += 1
+        self.synced = True
+        if final or eval_due or save_due or not c.edit.layerwise:
+            t0 = time.monotonic()
+            self.sync.sync_now()
+            self.last_sync_s = time.monotonic() - t0
+            self._sync_record(counters, "whole")
+        else:
+            self.sync.arm()
+            self.armed = counters
+        self._plan_next_period(counters)
+        stop = None
+        if final:
+            stop = (
+                "interrupted"
+                if stopping
+                else "time limit"
+                if out_of_time and self.global_steps < self.budget
+                else "completed"
+            )
+        return Boundary(eval=eval_due or final, save=save_due or final, stop=stop)
+
+    def _boundary_done(self) -> None:
+        if self.synced:  # the next period starts now, after the sync's eval and checkpoint
+            self.synced = False
+            self.since_sync = self.tokens_since_sync = 0
+            self.last_sync_end = time.monotonic()
+
+    def _step(self) -> Record | None:
+        tokens_before = self.tokens
+        record = self._attempt()
+        if self.armed is not None:  # the forward above completed the layer-wise sync
+            self.sync.finish()
+            self.last_sync_s = self.sync.last_stats.wait_s
+            self._sync_record(self.armed, "layerwise")
+            self.armed = None
+        if record is None:
+            return None
+        if self.warmup_left > 0:  # a synchronous step: every worker took it
+            self.warmup_left -= 1
+            self.global_steps += self.workers.world
+            if self.warmup_left == 0:
+                self.sync.reset_anchor()  # local SGD starts from the replicas' common parameters
+                self.last_sync_end = time.monotonic()
+        else:
+            self.since_sync += 1
+            self.tokens_since_sync += self.tokens - tokens_before
+        return record
 
     def _sync_due(self) -> bool:
         if self.global_steps >= self.budget:  # the warm-up alone used the budget
@@ -225,19 +215,8 @@ class LocalSgdTrainer(Trainer):
             "local_steps": [int(x) for x in counters[:, _SINCE]],
             "total_local_steps": self.global_steps,
             "previous_sync_s": [round(float(x), 4) for x in counters[:, _SYNC_S]],
+            # Each worker's tokens over its own time since the last sync (its wait at this one excluded).
+            "worker_tokens_per_s": worker_rates(counters[:, _TOKENS], counters[:, _BUSY_S]),
             **stats.to_record(),
         }
         self._emit(record)
-
-    def _result(
-        self,
-        first_loss: float | None,
-        last_loss: float | None,
-        eval_loss: float | None,
-        checkpoint: str | None,
-        start: float,
-        stopped: str,
-    ) -> TrainResult:
-        result = super()._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
-        result.steps = self.global_steps // self.workers.world
-        return result

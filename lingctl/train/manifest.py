@@ -21,6 +21,7 @@ from typing import Any
 
 from lingctl.core.errors import UsageError, VerificationError
 from lingctl.core.names import check_relative, printable
+from lingctl.model.checkpoint_files import TOKENIZER
 
 MANIFEST = "lingctl-run.json"
 FORMAT = "lingctl-run"
@@ -28,7 +29,6 @@ VERSION = 1
 
 LATEST = "latest.json"
 METRICS = "metrics.jsonl"
-TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 # The files at the top of a run directory, besides the manifest and the checkpoints.
 RUN_FILES = (TOKENIZER, METRICS, LATEST)

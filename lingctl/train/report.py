@@ -7,6 +7,9 @@ the run's metrics file holds. Both backends log the same scalar names (:func:`sc
     eval/loss
     experts/layer_{i}/cv             coefficient of variation of the per-expert token counts of MoE layer i
     experts/layer_{i}/max_over_mean  the busiest expert's tokens over the mean (1.0 = perfectly even)
+    workers/rank_{r}/tokens_per_s    several workers: each one's tokens over its own busy time (synchronous
+                                     steps: its previous step, waits for the others excluded; local SGD: the
+                                     period before each sync)
 
 Each backend's package is imported only when asked for: :func:`require` fails with one line naming the
 extra to install, before the run starts.
@@ -37,9 +40,15 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     event = record.get("event")
     if event == "eval":
         return {"eval/loss": float(record["eval_loss"])}
+    workers = {
+        f"workers/rank_{r}/tokens_per_s": float(v) for r, v in enumerate(record.get("worker_tokens_per_s") or [])
+    }
+    if event == "sync":
+        return workers
     if event != "step":
         return {}
     out = {
+        **workers,
         "train/loss": float(record["loss"]),
         "train/lr": float(record["lr"]),
         "train/grad_norm": float(record["grad_norm"]),

@@ -13,6 +13,7 @@ from typing import Any
 from lingctl.core.config import build, from_mapping, load_toml, to_dict
 from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.core.storage import S3Options
+from lingctl.model.checkpoint_files import TRAIN_CONFIG
 from lingctl.train import report
 from lingctl.train.config import TrainConfig, check_model_changes, check_preset_shape
 from lingctl.train.data import resolve_sources
@@ -20,7 +21,7 @@ from lingctl.train.local_sgd import LocalSgdTrainer
 from lingctl.train.plot import PLOT_FILE, plot_metrics, read_metrics
 from lingctl.train.rundir import METRICS, RunDir
 from lingctl.train.sources import open_init_source
-from lingctl.train.trainer import CONFIG_FILE, Record, Trainer, TrainResult
+from lingctl.train.trainer import Record, Trainer, TrainResult
 from lingctl.train.workers import start as start_workers
 from lingctl.train.workers import stop as stop_workers
 
@@ -56,7 +57,7 @@ def default_out(preset: str) -> str:
 
 
 def _saved_config(run: RunDir, latest: dict[str, Any]) -> dict[str, Any]:
-    key = f"{latest['path']}/{CONFIG_FILE}"
+    key = f"{latest['path']}/{TRAIN_CONFIG}"
     raw = run.read(key)
     try:
         data = json.loads(raw)
@@ -112,11 +113,13 @@ def train(
     config_file: Path | None = None,
     s3: S3Options | None = None,
     on_record: Callable[[Record], None] | None = None,
-    on_start: Callable[[Trainer], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     cache_dir: Path | None = None,
     adopt: bool = False,
 ) -> TrainResult:
     """Run ``lingctl train``. ``overrides`` are dotted settings given on the command line (None = unset).
+    ``on_record`` gets every record the run emits (``preparing`` and ``start`` included, before the first
+    step); ``should_stop`` is polled before each step: once it is true the run checkpoints and stops.
     ``adopt``: ``out`` may hold other files; the run adds its own beside them and never touches those."""
     started = time.monotonic()
     explicit = {k: v for k, v in overrides.items() if v is not None}
@@ -166,14 +169,13 @@ def train(
         resume=latest is not None,
         restart=resume,
         on_record=_records_to(reporter, on_record),
+        should_stop=should_stop,
         workers=workers,
         init=init,
         announce_setup=True,
     )
     try:
         trainer.setup()
-        if on_start is not None:
-            on_start(trainer)
         tokens_before, loop_start = trainer.tokens, time.monotonic()
         result = trainer.train()
         loop_s = time.monotonic() - loop_start

@@ -4,7 +4,7 @@ Layout::
 
     tokenizer.json                 the run's tokenizer
     metrics.jsonl                  one JSON record per step / eval / spike / checkpoint
-    checkpoints/step-00000050/     a complete Ling checkpoint (loadable by flood) + train_state.pt + train_config.json
+    checkpoints/step-00000050/     a complete Ling checkpoint (loadable by flood) + state/ + train_config.json
     latest.json                    {"step": 50, "path": "checkpoints/step-00000050"}, written last
     lingctl-run.json               what lingctl created here (manifest.py), written first
 
@@ -33,24 +33,22 @@ from typing import Any
 from lingctl.core.errors import LingctlError, NotFoundError, os_error
 from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
+from lingctl.model.checkpoint_files import STATE_DIR, TOKENIZER
 from lingctl.pcache import tier
 from lingctl.train.manifest import (
     CHECKPOINTS,
     LATEST,
     METRICS,
     RUN_FILES,
-    TOKENIZER,
     checkpoint_name,
     checkpoint_step,
     parse_latest,
 )
 from lingctl.train.owned import LocalPlace, OwnedPlace, StorePlace
 
-__all__ = ["CHECKPOINTS", "LATEST", "METRICS", "STATE_DIR", "TOKENIZER", "RunDir", "checkpoint_name", "staging_dir"]
+__all__ = ["CHECKPOINTS", "LATEST", "METRICS", "RunDir", "checkpoint_name", "staging_dir"]
 
 log = logging.getLogger(__name__)
-
-STATE_DIR = "state"  # the pcache (DCP) checkpoint inside each checkpoint directory
 
 _FOREIGN_HINT = (
     "choose a new --out, or pass --adopt to add the run's files beside the ones there "

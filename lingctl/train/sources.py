@@ -14,9 +14,10 @@ from typing import Any
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
 from lingctl.core.hub import is_repo_id, resolve_model_dir
-from lingctl.model.checkpoint import CONFIG, TOKENIZER, load_config, weight_files
+from lingctl.model.checkpoint import load_config, weight_files
+from lingctl.model.checkpoint_files import CONFIG, TOKENIZER, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import LING_CODE_REPO, TOKENIZER_CONFIG, code_repo_of
+from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,11 +26,21 @@ from lingctl.core.atomic import atomic_write
 from lingctl.core.config import to_dict
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError
 from lingctl.core.names import join_under
-from lingctl.model.checkpoint import CONFIG, load_config, load_weights_into, save_checkpoint
+from lingctl.model.checkpoint import load_config, load_weights_into, save_checkpoint
+from lingctl.model.checkpoint_files import (
+    CONFIG,
+    LEGACY_TRAIN_STATE,
+    STATE_DIR,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    TRAIN_CONFIG,
+    WEIGHTS,
+)
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import LING_CODE_REPO, TOKENIZER_CONFIG, code_repo_of
+from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import load_safetensors
+from lingctl.model.tokenizer import save_tokenizer
 from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.pcache.tier import read_marker
@@ -38,16 +48,12 @@ from lingctl.train import losses, schedule
 from lingctl.train.config import TrainConfig, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
-from lingctl.train.rundir import METRICS, STATE_DIR, TOKENIZER, RunDir, checkpoint_name
+from lingctl.train.rundir import METRICS, RunDir, checkpoint_name
 from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
 from lingctl.train.spike import SpikeGuard
-from lingctl.train.tokenizer import save_tokenizer
 from lingctl.train.workers import Workers, strided_rows
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "train_state.pt"  # the training state of checkpoints written before it moved into state/
-CONFIG_FILE = "train_config.json"
 
 Record = dict[str, Any]
 
@@ -78,6 +84,15 @@ class TrainResult:
     tokens_per_s: float | None = None  # tokens trained by this process / its time in the training loop
 
 
+@dataclass(kw_only=True, slots=True)
+class Boundary:
+    """What the loop does before its next step: evaluate, checkpoint (in that order), end the run."""
+
+    eval: bool = False
+    save: bool = False
+    stop: str | None = None  # why the run ends here ("completed", "time limit", "interrupted"); None: go on
+
+
 @dataclass(slots=True)
 class _Retry:
     due: int
@@ -93,6 +108,11 @@ class _Position:
     retries: list[_Retry] = field(default_factory=list)
 
 
+def worker_rates(tokens: Any, seconds: Any) -> list[float]:
+    """Tokens per second of each worker, from its own tokens and busy time (rank order)."""
+    return [round(float(t) / max(float(s), 1e-9), 1) for t, s in zip(tokens, seconds)]
+
+
 class Trainer:
     def __init__(
         self,
@@ -102,6 +122,7 @@ class Trainer:
         resume: bool = False,
         restart: bool = False,
         on_record: Callable[[Record], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
         workers: Workers | None = None,
         init: InitSource | None = None,
         announce_setup: bool = False,
@@ -109,15 +130,17 @@ class Trainer:
         """``resume``: continue from the run's committed checkpoint. ``restart``: the run directory may hold
         a run that never reached a checkpoint; start it over (otherwise an existing run is refused).
         ``workers``: this process's place among several (one worker when None). ``init``: the checkpoint a
-        new run starts from (``--init-from``). ``announce_setup``: ``setup`` of a new run emits a ``preparing``
-        record before its slow part, for a live view (not a metric: metrics.jsonl does not get it)."""
+        new run starts from (``--init-from``). ``should_stop``: polled before each step (a Ctrl-C turned
+        into a request): the run then checkpoints and stops, on every worker together. ``announce_setup``:
+        ``setup`` of a new run emits a ``preparing`` record before its slow part, for a live view (not a
+        metric: metrics.jsonl does not get it)."""
         self.config = config
         self.workers = workers or Workers()
         self.run = run
         self.resume = resume
         self.restart = restart
         self.on_record = on_record or (lambda record: None)
-        self.stop_requested = False  # set from a signal handler: finish the step, save, stop
+        self.should_stop = should_stop or (lambda: False)
         self.res = resolve(config)
         self.step = 0
         self.attempt = 0
@@ -134,6 +157,11 @@ class Trainer:
         # Where the checkpoints' config.json auto_map sends transformers for Ling's code.
         self.code_repo = default_code_repo(config.hf_code_repo, init)
         self._metrics: Any = None  # metrics.jsonl while train() runs; records before it reach on_record only
+        # This worker's own pace, for the per-worker throughput rank 0 reports: time spent in its last loop
+        # iteration minus what it waited for the others in lingctl's agreement collectives, and its tokens.
+        self._waited_s = 0.0
+        self._busy_s = 0.0
+        self._busy_tokens = 0
         self.announce_setup = announce_setup
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -169,7 +197,7 @@ class Trainer:
         # A new run is checked by now; reading and tokenizing the data and building the model take a while.
         # (A resume verifies its checkpoint only after that, so it says nothing here: its error comes first.)
         if self.announce_setup and latest is None:
-            self._emit({"event": "preparing", "run_dir": self.run.describe()})
+            self._emit({"event": "preparing", "run_dir": self.run.describe()}, metric=False)
         if latest is None and not w.is_main:
             # Workers use rank 0's tokenizer, sent over the process group: no shared directory is needed.
             tokenizer_path = self._received_tokenizer(w.broadcast(None))
@@ -243,11 +271,11 @@ class Trainer:
         if (ckpt / STATE_DIR).is_dir():
             state = self._load_pcache_state(ckpt / STATE_DIR)
         else:
-            weights = load_safetensors(ckpt / "model.safetensors")
+            weights = load_safetensors(ckpt / WEIGHTS)
             if self.model.config.tie_word_embeddings:
                 weights["lm_head.weight"] = weights["model.word_embeddings.weight"]
             self.model.load_state_dict(weights, strict=True)
-            state = torch.load(ckpt / STATE_FILE, weights_only=True)
+            state = torch.load(ckpt / LEGACY_TRAIN_STATE, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
         try:
             self._restore(state)
@@ -337,34 +365,38 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
-        c = self.config
+        """The one training loop. Before each step it asks :meth:`_boundary` whether to evaluate,
+        checkpoint or stop; a step is :meth:`_step`. Synchronous training and local SGD differ only in
+        those two hooks and the schedule's notion of progress (:meth:`schedule_step`)."""
         start = time.monotonic()
         first_loss = last_loss = eval_loss = None
         checkpoint: str | None = None
-        stopped = "completed"
-        if self.step >= c.steps:  # resumed a finished run: nothing to do, nothing to rewrite
-            return self._result(None, None, None, checkpoint_name(self.step), start, stopped)
+        self._emit(self._start_record(), metric=False)
+        if self._finished():  # resumed a finished run: nothing to do, nothing to rewrite
+            return self._result(None, None, None, checkpoint_name(self.checkpoint_step()), start, "completed")
         self._metrics = open(self.metrics_path, "a", encoding="utf-8") if self.metrics_path else None
+        self._loop_starts()
+        stopped = "completed"
         try:
-            while self.step < c.steps:
-                stop = self._agreed_stop(start)
-                if stop:
-                    stopped = stop
-                    break
-                record = self._attempt()
-                if record is None:
-                    continue
-                self._drills(record)
-                first_loss = record["loss"] if first_loss is None else first_loss
-                last_loss = record["loss"]
-                if c.eval_every and self.step % c.eval_every == 0:
+            while True:
+                boundary = self._boundary(start)
+                if boundary.eval:
                     eval_loss = self._eval()
-                if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
+                if boundary.save:
                     checkpoint = self._save(start)
-            if self.step > 0 and (eval_loss is None or not c.eval_every or self.step % c.eval_every):
-                eval_loss = self._eval()
-            if self.step > 0 and (checkpoint is None or not checkpoint.endswith(f"{self.step:08d}")):
-                checkpoint = self._save(start)
+                if boundary.stop is not None:
+                    stopped = boundary.stop
+                    break
+                self._boundary_done()
+                # The pace a worker reports is its step alone: evals, saves and stop checks are not in it.
+                began, self._waited_s, tokens_before = time.monotonic(), 0.0, self.tokens
+                record = self._step()
+                if record is not None:
+                    self._drills(record)
+                    first_loss = record["loss"] if first_loss is None else first_loss
+                    last_loss = record["loss"]
+                self._busy_s = time.monotonic() - began - self._waited_s
+                self._busy_tokens = self._local_tokens(self.tokens - tokens_before)
         finally:
             if self._metrics is not None:
                 self._metrics.close()
@@ -372,6 +404,58 @@ class Trainer:
                 self.run.wait_uploads()
                 self.run.publish([METRICS])
         return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _start_record(self) -> Record:
+        """What a live view shows before the first step (not a metric: metrics.jsonl does not get it)."""
+        cfg = self.model.config
+        return {
+            "event": "start",
+            "run_dir": self.run.describe(),
+            "preset": self.config.preset,
+            "parameters": cfg.num_parameters(),
+            "active_parameters": cfg.num_parameters(active=True),
+            "train_sequences": len(self.data.tokens.train),
+            "seq_len": self.res.seq_len,
+            "step": self.checkpoint_step(),
+            "steps": self.config.steps,
+            "workers": self.workers.world,
+            "sync": self.config.sync if self.workers.world > 1 else None,
+            "resumed_from": self.resumed_from,
+        }
+
+    def _finished(self) -> bool:
+        return self.step >= self.config.steps
+
+    def _loop_starts(self) -> None:
+        """Steps taken before this process started count as evaluated and saved (the checkpoint holds them)."""
+        self._evaluated_at = self._saved_at = self.step
+
+    def _boundary(self, start: float) -> Boundary:
+        """Synchronous steps: evaluate and save on their multiples of the step count, and at the end."""
+        c = self.config
+        stop = "completed" if self.step >= c.steps else self._agreed_stop(start)
+        final = stop is not None
+        boundary = Boundary(
+            eval=self.step > self._evaluated_at and (final or bool(c.eval_every and self.step % c.eval_every == 0)),
+            save=self.step > self._saved_at and (final or bool(c.save_every and self.step % c.save_every == 0)),
+            stop=stop,
+        )
+        if boundary.eval:
+            self._evaluated_at = self.step
+        if boundary.save:
+            self._saved_at = self.step
+        return boundary
+
+    def _boundary_done(self) -> None:
+        """Called when the boundary's work is done and the next step begins (local SGD restarts its clock)."""
+
+    def _step(self) -> Record | None:
+        """One attempt: the step record, or None when it was skipped."""
+        return self._attempt()
+
+    def _local_tokens(self, counted: int) -> int:
+        """This worker's share of tokens the step counted (a synchronous step counts every worker's)."""
+        return counted // self.workers.world if self._synchronous() else counted
 
     def _synchronous(self) -> bool:
         """Do workers take this step together (and so must agree on skipping it)?"""
@@ -383,8 +467,7 @@ class Trainer:
     def _agreed_stop(self, start: float) -> str | None:
         """Why to stop before the next step, the same on every worker (one tiny all-reduce when several)."""
         c = self.config
-        interrupted = self.workers.any(self.stop_requested)
-        if interrupted:
+        if self.workers.any(self.should_stop()):
             return "interrupted"
         out_of_time = c.max_seconds is not None and time.monotonic() - start >= c.max_seconds
         if self.workers.any(out_of_time):
@@ -413,7 +496,7 @@ class Trainer:
         c = self.config
         return TrainResult(
             run_dir=self.run.describe(),
-            steps=self.step,
+            steps=self.checkpoint_step(),
             target_steps=c.steps,
             tokens=self.tokens,
             parameters=self.model.config.num_parameters(),
@@ -457,10 +540,15 @@ class Trainer:
             )
         return alpha
 
+    def schedule_step(self) -> int:
+        """Progress as the learning-rate schedule counts it: optimizer steps here; with local SGD, the
+        synchronous-step equivalent of all workers' steps."""
+        return self.step
+
     def _lr(self) -> float:
         o = self.config.optim
         base = schedule.learning_rate(
-            self.step,
+            self.schedule_step(),
             peak=self.res.lr,
             warmup_steps=o.warmup_steps,
             total_steps=self.config.steps,
@@ -501,8 +589,16 @@ class Trainer:
             loss = loss * c.inject_spike_factor
         if self.workers.rank == c.simulate_bad_rank and c.sync == "ddp":
             loss = loss * 100.0  # fault drill: this worker's gradient is 100 times too large
-        # Synchronous workers decide on the mean loss, so all of them skip or apply the same steps.
-        loss_value = self.workers.mean(float(loss.detach())) if self._synchronous() else float(loss.detach())
+        # Synchronous workers decide on the mean loss, so all of them skip or apply the same steps; the same
+        # collective brings rank 0 every worker's pace in its previous iteration.
+        loss_value = float(loss.detach())
+        paces = None
+        if self._synchronous():
+            t_wait = time.monotonic()
+            gathered = self.workers.gather([loss_value, self._busy_s, float(self._busy_tokens)])
+            self._waited_s += time.monotonic() - t_wait
+            loss_value = float(gathered[:, 0].sum()) / self.workers.world
+            paces = gathered[:, 1:]
         grad_norm = float("nan")
         verdict = self.guard.check_loss(loss_value)
         finite = math.isfinite(loss_value)
@@ -550,6 +646,8 @@ class Trainer:
             "expert_load": losses.expert_load(parts["routes"], self.model.config.num_experts),
             "spikes_skipped": self.guard.total_spikes,
         }
+        if paces is not None and self.workers.world > 1 and (paces[:, 0] > 0).all():
+            record["worker_tokens_per_s"] = worker_rates(paces[:, 1], paces[:, 0])
         if tries:
             record["retried"] = True
         self._emit(record)
@@ -646,7 +744,7 @@ class Trainer:
         # bounded buffer, committed by its marker; the HF-format files beside it are what flood loads.
         pcache_save(self._state(meta), directory / STATE_DIR, extra={"step": self.step})
         if self.workers.is_main:
-            with atomic_write(directory / CONFIG_FILE) as (_, f):
+            with atomic_write(directory / TRAIN_CONFIG) as (_, f):
                 f.write(json.dumps(to_dict(self.config), indent=2).encode())
             if self._metrics is not None:
                 self._metrics.flush()
@@ -683,10 +781,11 @@ class Trainer:
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
-    def _emit(self, record: Record) -> None:
+    def _emit(self, record: Record, *, metric: bool = True) -> None:
+        """To metrics.jsonl (``metric``; while the loop runs) and to ``on_record``."""
         # Wall-clock time of every record (Unix seconds): lines up the metrics with logs and other runs.
         record["time"] = round(time.time(), 3)
-        if self._metrics is not None:
+        if metric and self._metrics is not None:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
         self.on_record(record)

@@ -13,10 +13,11 @@ import torch
 from tokenizers import Tokenizer
 
 from lingctl.core.errors import UsageError
-from lingctl.model.checkpoint import WEIGHTS_INDEX, load_checkpoint, model_state, save_checkpoint
+from lingctl.model.checkpoint import load_checkpoint, model_state, save_checkpoint
+from lingctl.model.checkpoint_files import WEIGHTS_INDEX
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset
-from lingctl.train.tokenizer import train_tokenizer
+from lingctl.model.tokenizer import train_tokenizer
 from tests.support.hf_cache import cache_repo
 
 REPO_ID = "example-org/ling-tiny"

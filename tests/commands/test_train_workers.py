@@ -31,6 +31,8 @@ def test_ddp_on_two_workers_trains_checkpoints_across_both_and_resumes(lingctl, 
     steps = [r for r in metrics(run) if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert steps[-1]["loss"] < steps[0]["loss"]
+    # Rank 0 logs for the job, with each worker's pace (from the previous step on).
+    assert all(len(r["worker_tokens_per_s"]) == 2 and min(r["worker_tokens_per_s"]) > 0 for r in steps[1:]), steps
     state = run / "checkpoints" / "step-00000008" / "state"
     marker = json.loads((state / "pcache.json").read_text())
     assert marker["world_size"] == 2
@@ -107,6 +109,9 @@ def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs
     assert syncs[-1]["total_local_steps"] >= 48  # the budget: 24 synchronous steps of 2 workers
     # The corrupted worker's pseudo-gradient (x100) got no weight, and the loss did not spike.
     assert all(r["weights"][1] < 1e-3 for r in syncs), syncs
+    # Each worker's own throughput: the slowed one is the slower.
+    rates = [r["worker_tokens_per_s"] for r in syncs]
+    assert sum(x[1] for x in rates) < sum(x[0] for x in rates), rates
     losses = [r["loss"] for r in metrics(run) if r["event"] == "step"]
     assert max(losses[len(losses) // 2 :]) < losses[0]
     latest = json.loads((run / "latest.json").read_text())

@@ -58,7 +58,7 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint with a trained byte-level BPE tokenizer and a chat template."""
-    from lingctl.train.tokenizer import train_tokenizer
+    from lingctl.model.tokenizer import train_tokenizer
 
     text = [("the quick brown fox jumps over the lazy dog. " * 3 + f"line {i} of a tiny corpus.\n") for i in range(200)]
     tok = train_tokenizer(text, 320)

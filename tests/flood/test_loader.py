@@ -18,7 +18,8 @@ from lingctl.flood.loader import load_streaming
 from lingctl.flood.model_dir import ModelDir
 from lingctl.flood.quantize import Int8Linear, quantize_model_
 from lingctl.flood.run import FloodOptions, run_batch
-from lingctl.model.checkpoint import WEIGHTS_INDEX, load_config, model_state, save_checkpoint, weight_files
+from lingctl.model.checkpoint import load_config, model_state, save_checkpoint, weight_files
+from lingctl.model.checkpoint_files import WEIGHTS_INDEX
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingctl.model.checkpoint import WEIGHTS, WEIGHTS_INDEX, load_checkpoint, model_state, save_checkpoint
+from lingctl.model.checkpoint import load_checkpoint, model_state, save_checkpoint
+from lingctl.model.checkpoint_files import WEIGHTS, WEIGHTS_INDEX
 from lingctl.model.hf_files import LING_CHAT_TEMPLATE, LING_CODE_REPO, SPECIAL_TOKENS, plan_shards, tokenizer_files
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.presets import preset
-from lingctl.train.tokenizer import train_tokenizer
+from lingctl.model.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
+from lingctl.model.tokenizer import SPECIAL_EOS, eos_id, load_tokenizer, save_tokenizer, train_tokenizer
 from lingctl.train.data import (
     BatchOrder,
     batch_tensors,
@@ -19,7 +20,6 @@ from lingctl.train.data import (
     iter_documents,
     resolve_sources,
 )
-from lingctl.train.tokenizer import SPECIAL_EOS, eos_id, load_tokenizer, save_tokenizer, train_tokenizer
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -61,6 +61,14 @@ def test_records_without_scalars_create_no_files(tmp_path):
     assert scalars({"event": "lr_drop", "step": 3, "lr_scale": 0.5}) == {}
 
 
+def test_several_workers_throughput_is_one_curve_per_worker():
+    step = {**_step(3, 2.0, 0), "worker_tokens_per_s": [900.0, 450.0]}
+    assert scalars(step)["workers/rank_1/tokens_per_s"] == 450.0
+    assert scalars(step)["train/loss"] == 2.0
+    sync = {"event": "sync", "step": 8, "worker_tokens_per_s": [1200.0, 300.0], "local_steps": [8, 2]}
+    assert scalars(sync) == {"workers/rank_0/tokens_per_s": 1200.0, "workers/rank_1/tokens_per_s": 300.0}
+
+
 def test_none_reports_nowhere_and_a_missing_package_is_one_line():
     assert open_reporter("none", ".", name="run", config={}) is None
     require("none")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.model.tokenizer import train_tokenizer
 from lingctl.train.sources import open_init_source, tokenizer_source
-from lingctl.train.tokenizer import train_tokenizer
 from tests.support.hf_cache import cache_repo
 
 

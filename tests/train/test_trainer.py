@@ -88,9 +88,10 @@ def test_steps_skipped_in_a_row_end_the_run_and_nothing_is_saved(tmp_path: Path,
     with pytest.raises(TrainingDiverged, match="4 steps in a row were skipped"):
         trainer.train()
     events = [r["event"] for r in records]
-    assert events == ["step"] * 5 + ["spike"] * 4 + ["diverged"]
+    # The live view's start record comes first; it is not a metric.
+    assert events == ["start"] + ["step"] * 5 + ["spike"] * 4 + ["diverged"]
     assert not (tmp_path / "run" / "latest.json").exists()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(records)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(records) - 1
 
 
 def test_non_finite_parameters_end_the_run_at_once_even_with_the_guard_off(tmp_path: Path, text_corpus: Path) -> None:
@@ -99,5 +100,5 @@ def test_non_finite_parameters_end_the_run_at_once_even_with_the_guard_off(tmp_p
         next(trainer.model.parameters()).fill_(float("nan"))
     with pytest.raises(TrainingDiverged, match="parameters are no longer finite"):
         trainer.train()
-    assert [r["event"] for r in records] == ["spike", "diverged"]  # the NaN update was never applied
+    assert [r["event"] for r in records] == ["start", "spike", "diverged"]  # the NaN update was never applied
     assert not (tmp_path / "run" / "latest.json").exists()

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
+from lingctl.model.checkpoint_files import TOKENIZER
 from lingctl.model.hf_files import EOS_TOKEN, SPECIAL_TOKENS
 
 SPECIAL_EOS = EOS_TOKEN
@@ -54,9 +55,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.exists():
         raise NotFoundError(f"tokenizer not found: {path}")
     if path.is_dir():
-        raise UsageError(
-            f"tokenizer path is a directory: {path}", hint=f"pass the file, e.g. {path / 'tokenizer.json'}"
-        )
+        raise UsageError(f"tokenizer path is a directory: {path}", hint=f"pass the file, e.g. {path / TOKENIZER}")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception with a multi-line serde message
