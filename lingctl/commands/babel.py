@@ -24,7 +24,7 @@ from lingctl.commands.options import (
     VerifyMode,
     s3_options,
 )
-from lingctl.core.errors import LingctlError, VerificationError
+from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.core.names import printable
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.storage import S3Options, parse_url
@@ -304,14 +304,20 @@ def _transfer(
 ) -> None:
     from lingctl.babel.bwlimit import TokenBucket, parse_rate
     from lingctl.babel.filters import parse_shard
-    from lingctl.babel.meter import Meter, parse_duration
+    from lingctl.babel.meter import Meter
     from lingctl.babel.overlap import check_no_overlap
     from lingctl.babel.preflight import prepare
     from lingctl.babel.single import plan
     from lingctl.babel.sync import Syncer, SyncOptions
+    from lingctl.commands.babel_render import progress_text, stats_line
+    from lingctl.core.units import parse_duration
 
     out = Output(json)
-    interval, rate = parse_duration(stats), parse_rate(bwlimit)
+    try:
+        interval = parse_duration(stats)
+    except ValueError as err:
+        raise UsageError(str(err), hint="write e.g. 1m, 30s, 500ms, 1h30m, or 0 for off") from None
+    rate = parse_rate(bwlimit)
     opts = SyncOptions(
         dry_run=dry_run,
         delete=delete,
@@ -341,7 +347,7 @@ def _transfer(
     lines = interval if not live and not out.stderr_is_terminal else 0.0
     with (
         out.progress("syncing", total=0, unit="bytes", binary_units=True, force=progress) as bar,
-        out.stats_lines(lines, meter.line),
+        out.stats_lines(lines, lambda: stats_line(meter.totals())),
     ):
 
         def on_progress(kind: str, n: int) -> None:
@@ -351,7 +357,7 @@ def _transfer(
             elif kind == "bytes":
                 bar.advance(n)
             elif kind in ("copied", "checked", "listed"):
-                bar.update(description=meter.describe())
+                bar.update(description=progress_text(meter.totals()))
 
         result = Syncer(p.src, p.dst, s3, opts, on_progress).run()
     _report(out, result)

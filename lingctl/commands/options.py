@@ -9,8 +9,10 @@ from urllib.parse import urlsplit
 
 import typer
 
+from lingctl.core.errors import UsageError
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.url import check_endpoint_url
+from lingctl.core.units import parse_duration
 
 log = logging.getLogger("lingctl.commands")
 
@@ -25,6 +27,27 @@ Dtype = Literal["float32", "bfloat16"]
 
 # Where a command writes one file, this name means standard output.
 STDOUT = "-"
+
+# Every option that takes a length of time reads it the one way, rclone's: 90, 500ms, 30s, 5m, 1h30m, 2d.
+DURATION_FORMS = "a number of seconds, or 500ms, 30s, 5m, 1h"
+
+
+def duration(text: str | float) -> float:
+    """Seconds, for ``typer.Option(parser=duration, metavar="DURATION")``. Click also passes an option's
+    default through the parser, so a number (the default's seconds) is taken as it is."""
+    if isinstance(text, int | float):
+        return float(text)
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise typer.BadParameter(f"{err} (write {DURATION_FORMS})") from None
+
+
+def at_least(option: str, seconds: float | None, minimum: float) -> None:
+    """A duration option below its floor is a usage error (a parser option cannot carry Typer's ``min``)."""
+    if seconds is not None and seconds < minimum:
+        raise UsageError(f"{option} must be at least {minimum:g} s, got {seconds:g} s")
+
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout (JSON).")]
 

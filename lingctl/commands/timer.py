@@ -7,18 +7,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
-from lingctl.commands.options import STDOUT, JsonOpt
+from lingctl.commands.options import DURATION_FORMS, STDOUT, JsonOpt, at_least, duration
 from lingctl.core.errors import NotFoundError, UsageError
 from lingctl.core.output import Output
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from lingctl.timer.diagnose import Diagnosis
 
 app = typer.Typer(
     help="Trace training processes cheaply: step breakdown, live attach, hang and straggler "
@@ -71,9 +66,23 @@ def attach(
     pid: Annotated[int, typer.Option("--pid", "-p", metavar="PID", help="The process to look at.")],
     once: Annotated[bool, typer.Option("--once", help="One snapshot, then exit.")] = False,
     interval: Annotated[
-        float, typer.Option("--interval", "-i", metavar="SECONDS", min=0.1, help="Seconds between refreshes.")
+        float,
+        typer.Option(
+            "--interval",
+            "-i",
+            parser=duration,
+            metavar="DURATION",
+            help=f"Time between refreshes, at least 100ms ({DURATION_FORMS}).",
+        ),
     ] = 2.0,
-    stacks: Annotated[bool, typer.Option("--stacks", help="Include the Python stacks of every thread.")] = False,
+    stacks: Annotated[
+        bool,
+        typer.Option(
+            "--stacks/--no-stacks",
+            help="Include the Python stacks of every thread. Off by default, as a live view's stacks cost every "
+            "refresh a signal to the process and a wait for its dump (py-spy for an untraced one).",
+        ),
+    ] = False,
     steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Steps the breakdown averages over.")] = 20,
     json: JsonOpt = False,
 ) -> None:
@@ -81,8 +90,10 @@ def attach(
 
     Refreshes every --interval until Ctrl-C (one JSON line per refresh with --json); --once prints one snapshot.
     """
-    from lingctl.timer.attach import Attacher, render, status_line
+    from lingctl.commands.timer_render import render, status_line
+    from lingctl.timer.attach import Attacher
 
+    at_least("--interval", interval, 0.1)
     out_ = Output(json)
     attacher = Attacher(pid, window_steps=steps)
     try:
@@ -127,7 +138,12 @@ def diagnose(
     ] = None,
     hang_after: Annotated[
         float,
-        typer.Option("--hang-after", metavar="S", min=0.0, help="Seconds in one collective that count as a hang."),
+        typer.Option(
+            "--hang-after",
+            parser=duration,
+            metavar="DURATION",
+            help=f"Time in one collective that counts as a hang ({DURATION_FORMS}).",
+        ),
     ] = 5.0,
     stacks: Annotated[bool, typer.Option("--stacks/--no-stacks", help="Ask stuck ranks for their stacks.")] = True,
     json: JsonOpt = False,
@@ -138,6 +154,7 @@ def diagnose(
     data, compute or communication makes it slow. Exit 0 when the analysis ran (the verdict is in the output),
     3 when there are no traces.
     """
+    from lingctl.commands.timer_render import print_diagnosis
     from lingctl.timer.diagnose import diagnose as run_diagnosis
 
     if (trace_dir is None) == (pids is None):
@@ -151,32 +168,7 @@ def diagnose(
         if not pid_list:
             raise UsageError("--pids is empty")
     d = run_diagnosis(trace_dir, pid_list, hang_after_s=hang_after, stacks=stacks)
-    Output(json).result(d.to_json(), lambda console: _render_diagnosis(d, console))
-
-
-def _render_diagnosis(d: Diagnosis, console: Console) -> None:
-    """The verdict, then each rank's step breakdown (the ``breakdown`` of the JSON): mean seconds per step
-    and the share of each part, so the numbers behind a straggler verdict are on screen."""
-    console.print(d.render(), markup=False)
-    rows = [(r.rank, r.breakdown) for r in d.ranks if r.breakdown.get("steps")]
-    if not rows:
-        return
-    from rich.table import Table
-
-    parts = list(dict.fromkeys(name for _, b in rows for name in b["parts_s"]))
-    table = Table(
-        title="step breakdown (mean ms per step, share of the step)", title_justify="left", box=None, pad_edge=False
-    )
-    for column in ("rank", "steps", "step", *parts):
-        table.add_column(column, justify="left" if column == "rank" else "right")
-    for rank, b in rows:
-        step_s = b["step_time_s"]["mean"] or 0.0
-        cells = []
-        for name in parts:
-            mean = (b["parts_s"].get(name) or {}).get("mean") or 0.0
-            cells.append(f"{mean * 1e3:.1f} ({mean / step_s:.0%})" if step_s > 0 else f"{mean * 1e3:.1f}")
-        table.add_row(str(rank), str(b["steps"]), f"{step_s * 1e3:.1f}", *cells)
-    console.print(table)
+    Output(json).result(d.to_json(), lambda console: print_diagnosis(d, console))
 
 
 @app.command("export")

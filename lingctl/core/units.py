@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from lingctl.core.errors import UsageError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+# rclone's duration units, minus the calendar ones (M, y, w) a training or sync deadline never needs; "ms" comes
+# before "m" so that 500ms is not read as 500 minutes followed by a stray "s".
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_size(text: str | int) -> int:
@@ -31,3 +36,29 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from an rclone-style duration: ``500ms``, ``30s``, ``1m``, ``1h30m``, ``2d``; a bare number is
+    seconds; ``0`` is 0. Raises ``ValueError`` naming ``text`` for an empty, negative or non-finite value."""
+    s = text.strip().lower()
+    # A sign is read off first, so "-30s" is called negative rather than malformed.
+    negative = s.startswith("-")
+    body = s[1:] if negative else s
+    try:
+        value = float(body)
+    except ValueError:
+        pos, value = 0, 0.0
+        for m in _DURATION_RE.finditer(body):
+            if m.start() != pos:
+                break
+            value += float(m.group(1)) * _SECONDS[m.group(2)]
+            pos = m.end()
+        if pos != len(body) or not body:
+            raise ValueError(f"invalid duration {text!r}") from None
+    # float() takes "nan", "inf" and "1e999" too: none of them is a length of time.
+    if not math.isfinite(value):
+        raise ValueError(f"invalid duration {text!r}: not a finite number")
+    if value < 0 or (negative and value > 0):
+        raise ValueError(f"invalid duration {text!r}: must not be negative")
+    return value

@@ -280,6 +280,8 @@ def inside(h: Header, now_ns: int) -> dict | None:
 
 
 def describe_inside(i: dict | None) -> str:
+    """``inside``'s answer as a phrase: a diagnosis keeps it as each rank's ``where`` (its JSON too), so it
+    stays with the data rather than with the rendering."""
     if i is None:
         return "not inside a traced call"
     if i["op"] is not None:
@@ -313,89 +315,3 @@ def header_facts(h: Header, now_ns: int) -> dict:
             for g in h.groups
         ],
     }
-
-
-# -- human rendering -----------------------------------------------------------------------------------
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def _size(n: float) -> str:
-    from lingctl.core.units import format_size
-
-    return format_size(n)
-
-
-def status_line(snap: dict) -> str:
-    """One line per refresh (off a terminal): step, step time and its largest parts, where the process is now."""
-    p = snap["process"]
-    proc = f"cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['status']}"
-    t = snap["trace"]
-    if t is None:
-        return f"pid {snap['pid']}: {proc}; {snap['note']}"
-    b = t["breakdown"]
-    parts = sorted(b["parts_s"].items(), key=lambda kv: -kv[1]["mean"])[:4]
-    mean = b["step_time_s"]["mean"]
-    split = ", ".join(f"{name} {s['mean'] / mean:.0%}" for name, s in parts) if mean > 0 else "no finished step"
-    return (
-        f"rank {t['rank']}/{t['world']} step {t['step']}: {_ms(mean)}/step ({split}); "
-        f"{describe_inside(t['inside'])}; heartbeat {t['heartbeat_age_s']:.1f} s ago; {proc}"
-    )
-
-
-def render(snap: dict) -> str:
-    """The full snapshot for people: process, GPU, trace state, step breakdown, groups, stacks."""
-    p = snap["process"]
-    lines = [
-        f"pid {snap['pid']}  {' '.join(p['cmdline'])[:120]}",
-        f"  {p['status']}, cpu {p['cpu_percent']:.0f}%, rss {_size(p['rss_bytes'])}, {p['threads']} threads, "
-        f"user {p['user']}",
-    ]
-    for g in snap["gpus"] or []:
-        lines.append(
-            f"  gpu {g['index']} {g['name']}: {g['utilization_percent']}% busy, process holds "
-            f"{_size(g['process_memory_bytes'])} ({_size(g['memory_used_bytes'])} of "
-            f"{_size(g['memory_total_bytes'])} used)"
-        )
-    if snap["gpu_note"] and snap["gpus"] is None:
-        lines.append(f"  {snap['gpu_note']}")
-    t = snap["trace"]
-    if t is None:
-        lines.append(snap["note"])
-    else:
-        beat = t["heartbeat_age_s"]
-        lines.append(
-            f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
-            f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago"
-        )
-        if beat > STALE_HEARTBEAT_S:
-            lines.append(
-                "  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
-                "tracing stopped (try --stacks)"
-            )
-        if not t["enabled"]:
-            lines.append("  tracing disabled itself after an internal error: the figures below stop there")
-        b = t["breakdown"]
-        if b["steps"]:
-            st = b["step_time_s"]
-            lines.append(
-                f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
-                f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s"
-            )
-            for name, s in b["parts_s"].items():
-                share = s["mean"] / st["mean"] if st["mean"] > 0 else 0.0
-                lines.append(f"  {name:<15} {_ms(s['mean']):>10} mean {_ms(s['last']):>10} last  {share:5.1%}")
-        else:
-            lines.append("no finished step yet (steps end at the optimizer's step())")
-        for g in t["groups"]:
-            state = "in flight" if g["in_flight"] else "idle"
-            lines.append(
-                f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
-                f"#{g['completed_seq']}, {state}, last {g['last_op']}"
-            )
-    if snap["stacks"]:
-        lines.append(f"stacks ({snap['stacks_source']}):")
-        lines.extend("  " + line for line in snap["stacks"].rstrip().splitlines())
-    if snap["stacks_note"]:
-        lines.append(f"stacks: {snap['stacks_note']}")
-    return "\n".join(lines)

@@ -142,35 +142,9 @@ class Diagnosis:
 
         return to_jsonable(self)
 
-    def render(self) -> str:
-        lines = [f"verdict: {self.verdict}: {self.summary}"]
-        for g in self.groups:
-            if g.waiting or g.never_arrived:
-                lines.append(
-                    f"group {g.group}: {g.op} #{g.seq}: waiting {_ranks(g.waiting) or 'none'}, never "
-                    f"arrived {_ranks(g.never_arrived) or 'none'}"
-                )
-        for r in self.ranks:
-            beat = f", heartbeat {r.heartbeat_age_s:.1f} s ago" if r.heartbeat_age_s is not None else ""
-            step = f"step {r.step}" if r.step is not None else "no step"
-            lines.append(f"rank {r.rank} (pid {r.pid}, {r.source}): {step}, {r.where}{beat}")
-        if self.straggler is not None:
-            s = self.straggler
-            lines.append(
-                f"straggler: rank {s.rank} ({s.category}), last to arrive at "
-                f"{s.last_arrival_share:.0%} of {self.collectives_compared} collectives"
-            )
-            for metric, values in s.evidence.items():
-                lines.append(f"  {metric:<12} " + "  ".join(f"r{k}={v * 1e3:.1f}ms" for k, v in sorted(values.items())))
-        for r in self.ranks:
-            if r.stacks:
-                lines.append(f"stacks of rank {r.rank} (pid {r.pid}):")
-                lines.extend("  " + line for line in r.stacks.rstrip().splitlines())
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
 
-
-def _ranks(items: Any) -> str:
+def format_ranks(items: Any) -> str:
+    """``{3, 1}`` -> ``1, 3``: rank numbers as the summary and notes list them."""
     return ", ".join(str(r) for r in sorted(items))
 
 
@@ -339,7 +313,7 @@ def analyse(
     world = max([r.world for r in ranks] + [len(ranks)])
     missing = sorted(set(range(world)) - {r.rank for r in ranks})
     if missing:
-        notes.append(f"no trace for rank(s) {_ranks(missing)} of {world}: they are not in the analysis")
+        notes.append(f"no trace for rank(s) {format_ranks(missing)} of {world}: they are not in the analysis")
 
     groups = _group_reports(ranks, now, world)
     waits = [(w, g) for g in groups for w in g.waiting.values()]
@@ -358,9 +332,7 @@ def analyse(
         g = longest[1]
         assert g is not None
         verdict = "hang"
-        summary = (
-            f"rank(s) {_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to {longest[0]:.1f} s; "
-        )
+        summary = f"rank(s) {format_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to {longest[0]:.1f} s; "
         if g.never_arrived:
             where = "; ".join(f"rank {r.rank} {r.where}" for r in reports if r.rank in g.never_arrived)
             summary += f"never arrived: {where}"
@@ -386,7 +358,7 @@ def analyse(
         ended = [r.rank for r in ranks if r.rank in g.never_arrived and r.source == "log"]
         if ended and not g.waiting:
             notes.append(
-                f"rank(s) {_ranks(ended)} stopped before {g.op} #{g.seq} of group {g.group}, which other "
+                f"rank(s) {format_ranks(ended)} stopped before {g.op} #{g.seq} of group {g.group}, which other "
                 "ranks completed or started (logs hold finished calls only: a hang the job ended in "
                 "shows as this)"
             )

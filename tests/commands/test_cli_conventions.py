@@ -106,6 +106,8 @@ def test_timer_run_passes_flags_after_the_command_to_it(lingctl, tmp_path) -> No
         (["pcache", "plan"], ["[pcache] table", "adamw|sgd|none"]),
         (["doctor"], ["[default: 8MiB]", "[default: 5; x>=1]", "-v, --verbose"]),
         (["timer", "export"], ["-o, --out FILE", "'-': standard output"]),
+        (["timer", "attach"], ["-p, --pid PID", "--stacks / --no-stacks", "[default: no-stacks]"]),
+        (["timer", "diagnose"], ["--stacks / --no-stacks", "[default: stacks]"]),
     ],
 )
 def test_help_shows_defaults_and_choices(lingctl, command, words) -> None:
@@ -172,3 +174,12 @@ def test_timer_export_out_dash_writes_the_trace_to_stdout(lingctl, tmp_path) -> 
     assert json.loads(r.stdout)["traceEvents"] and "events to stdout" in r.stderr
     old = lingctl("timer", "export", str(tmp_path), "--output", str(tmp_path / "t.json"), "--json")
     assert old.returncode == 0 and json.loads(old.stdout)["events"] > 0  # the old spelling still works
+
+
+def test_durations_take_units_and_a_bad_one_is_a_usage_error(lingctl, tmp_path) -> None:
+    ok = lingctl("timer", "diagnose", str(tmp_path), "--hang-after", "1m")
+    assert ok.returncode == 3 and "no traces" in ok.stderr  # parsed: the command ran and found nothing
+    bad = lingctl("timer", "diagnose", str(tmp_path), "--hang-after", "soon")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    (error,) = [line for line in bad.stderr.splitlines() if line.startswith("lingctl: error:")]
+    assert "--hang-after" in error and "'soon'" in error and "500ms" in error

@@ -1,7 +1,7 @@
 import pytest
 
 from lingctl.core.errors import UsageError
-from lingctl.core.units import format_size, parse_size
+from lingctl.core.units import format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,43 @@ def test_format_size() -> None:
     assert format_size(512) == "512 B"
     assert format_size(1536) == "1.5 KiB"
     assert format_size(3 << 30) == "3.0 GiB"
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("90", 90.0),
+        ("1.5", 1.5),
+        ("0", 0.0),
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("2d", 172_800.0),
+        ("1h30m", 5400.0),
+        ("1m0.5s", 60.5),
+        (" 2M ", 120.0),  # case and surrounding blanks do not matter
+    ],
+)
+def test_parse_duration(text, seconds) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "invalid duration ''$"),
+        ("soon", "invalid duration 'soon'$"),
+        ("1x", "invalid duration '1x'$"),
+        ("1m30", "invalid duration '1m30'$"),
+        ("1 m", "invalid duration '1 m'$"),
+        ("-5", "invalid duration '-5': must not be negative"),
+        ("-30s", "invalid duration '-30s': must not be negative"),
+        ("nan", "invalid duration 'nan': not a finite number"),
+        ("inf", "invalid duration 'inf': not a finite number"),
+        ("1e999", "invalid duration '1e999': not a finite number"),
+    ],
+)
+def test_bad_durations_name_the_text(text, why) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_duration(text)

@@ -112,7 +112,8 @@ def own_ring() -> Iterator[RingWriter]:
 
 
 def test_snapshot_of_a_traced_process(own_ring: RingWriter) -> None:
-    from lingctl.timer.attach import Attacher, render, snapshot, status_line
+    from lingctl.commands.timer_render import render, status_line
+    from lingctl.timer.attach import Attacher, snapshot
 
     w = own_ring
     g = w.group_index("0", 8)

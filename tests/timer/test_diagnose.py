@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from lingctl.commands.timer_render import render_diagnosis
 from lingctl.timer.diagnose import GroupSeq, RankData, analyse
 from lingctl.timer.ring import NO_GROUP, GroupState, Header, Kind, Op, Record
 from tests.timer.test_attach import start
@@ -106,7 +107,7 @@ def test_hang_names_the_rank_that_never_arrived_and_where_it_is() -> None:
     assert r2.where == "in forward for 31.0 s" and r2.step == 5 and r2.heartbeat_age_s == pytest.approx(0.1)
     assert d.ranks[0].where == "in all_reduce #12 of group 0 for 30.0 s"
     assert "waiting in all_reduce #12 of group 0" in d.summary and "rank 2 in forward" in d.summary
-    text = d.render()
+    text = render_diagnosis(d)
     assert text.startswith("verdict: hang") and "never arrived 2" in text
     assert json.loads(json.dumps(d.to_json()))["groups"][0]["never_arrived"] == [2]
 
@@ -241,7 +242,7 @@ def test_a_job_that_ended_with_a_rank_behind_says_so() -> None:
     d = analyse([finished_rank(0, 2, steps(5)), finished_rank(1, 2, steps(4))], stacks=False)
     assert d.verdict != "hang" and d.groups[0].seq == 4 and d.groups[0].never_arrived == [1]
     assert any(n.startswith("rank(s) 1 stopped before all_reduce #4 of group 0") for n in d.notes)
-    assert "group 0: all_reduce #4: waiting none, never arrived 1" in d.render()
+    assert "group 0: all_reduce #4: waiting none, never arrived 1" in render_diagnosis(d)
 
 
 def test_missing_ranks_are_noted() -> None:
@@ -389,7 +390,7 @@ def test_four_rank_hang_names_the_rank_that_never_arrived(procs, tmp_path, monke
             if d.verdict == "hang" and [g.seq for g in d.groups] == [steps_before]:
                 break
         time.sleep(0.3)
-    assert d is not None and d.verdict == "hang", d and d.render()
+    assert d is not None and d.verdict == "hang", d and render_diagnosis(d)
 
     t = time.monotonic()
     d = diagnose(tmp_path, hang_after_s=1.0)
@@ -434,7 +435,7 @@ def test_slow_data_loading_rank_is_the_straggler(procs, tmp_path) -> None:
     for p in job:
         assert p.wait(timeout=90) == 0
     d = diagnose(tmp_path)
-    assert d.verdict == "straggler", d.render()
+    assert d.verdict == "straggler", render_diagnosis(d)
     assert d.straggler is not None and (d.straggler.rank, d.straggler.category) == (1, "data")
     assert d.straggler.last_arrival_share >= 0.6 and d.collectives_compared == 21
     assert all(r.source == "log" and not r.alive and r.step == 21 for r in d.ranks)
