@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from lingctl.commands import train_status
 from lingctl.commands.options import (
     DURATION_FORMS,
     EndpointOpt,
@@ -173,13 +174,33 @@ def train(
         ),
     ] = 1,
     max_restarts: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--max-restarts",
             min=0,
-            help="With --nproc: restart all workers from the last checkpoint this many times after one fails.",
+            help="With --nproc: restart all workers from the last checkpoint this many times after one crashes "
+            "or the job hangs (never after bad settings or a stop) [default: 3 with the watchdog, else 0].",
         ),
-    ] = 0,
+    ] = None,
+    watchdog: Annotated[
+        bool | None,
+        typer.Option(
+            "--watchdog/--no-watchdog",
+            help="With --nproc: watch the workers' trace rings and restart a job that hangs "
+            "[default: on with --nproc > 1].",
+            show_default=False,
+        ),
+    ] = None,
+    hang_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--hang-timeout",
+            parser=duration,
+            metavar="DURATION",
+            help=f"Watchdog: a job with no progress on any worker for this long is hung ({DURATION_FORMS}) "
+            "[default: max(60s, 10 x the median step), at least 2 x the longest checkpoint save].",
+        ),
+    ] = None,
     sync: Annotated[
         str | None, typer.Option("--sync", help="With several workers: ddp (synchronous) or edit (EDiT local SGD).")
     ] = None,
@@ -199,6 +220,32 @@ def train(
     slowdown: Annotated[float | None, typer.Option("--slowdown", help="Fault drill: how much slower.")] = None,
     simulate_bad_rank: Annotated[
         int | None, typer.Option("--simulate-bad-rank", help="Fault drill: this worker's update is corrupted (x100).")
+    ] = None,
+    simulate_hang: Annotated[
+        str | None,
+        typer.Option(
+            "--simulate-hang",
+            metavar="R:S",
+            help="Fault drill: worker R blocks forever at step S (first attempt only); the watchdog restarts the job.",
+        ),
+    ] = None,
+    simulate_nan: Annotated[
+        int | None,
+        typer.Option(
+            "--simulate-nan", metavar="S", help="Fault drill: a non-finite loss at step S (first attempt only)."
+        ),
+    ] = None,
+    simulate_spikes: Annotated[
+        str | None,
+        typer.Option("--simulate-spikes", metavar="S:N", help="Fault drill: N consecutive loss spikes from step S."),
+    ] = None,
+    simulate_routing_collapse: Annotated[
+        int | None,
+        typer.Option(
+            "--simulate-routing-collapse",
+            metavar="LAYER",
+            help="Fault drill: the MoE layer LAYER routes every token to the same experts.",
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")] = None,
     settings: Annotated[
@@ -227,7 +274,18 @@ def train(
     if nproc > 1 and "RANK" not in os.environ:
         from lingctl.train.workers import launch
 
-        raise typer.Exit(launch(nproc, max_restarts, sys.argv[1:]))
+        raise typer.Exit(
+            launch(
+                nproc,
+                max_restarts,
+                sys.argv[1:],
+                watchdog=watchdog,
+                hang_timeout_s=hang_timeout,
+                out=out,
+                cache_dir=cache_dir,
+                preset=preset,
+            )
+        )
     from lingctl.core.config import parse_override  # the TOML reader too: not needed at start-up
     from lingctl.train.run import train as run_training  # torch loads only when training
 
@@ -261,6 +319,11 @@ def train(
         "simulate_slow_rank": simulate_slow_rank,
         "slowdown": slowdown,
         "simulate_bad_rank": simulate_bad_rank,
+        "watchdog": watchdog,  # one process: the in-worker watchdog (under the launcher it passes --set)
+        "simulate_hang": simulate_hang,
+        "simulate_nan": simulate_nan,
+        "simulate_spikes": simulate_spikes,
+        "simulate_routing_collapse": simulate_routing_collapse,
     }
     for item in settings or []:
         key, value = parse_override(item)
@@ -316,6 +379,9 @@ def plot(
     except ImportError:
         raise UsageError("lingctl train plot needs matplotlib", hint="pip install matplotlib") from None
     out_.result({"event": "plot", "run": run, "path": str(written)}, lambda c: c.print(str(written), markup=False))
+
+
+app.command("status")(train_status.status)
 
 
 def _check_plot_is_ours(run: Path, name: str) -> None:
@@ -422,6 +488,9 @@ class _View:
             self.out.info(f"step {record['step']} eval loss {record['eval_loss']:.3f}")
         elif event == "spike":
             self.out.warn(f"step {record['step']}: loss spike skipped ({record['reason']}), {record['action']}")
+        elif event == "incident":
+            where = f", back to step {record['restored_step']}" if record.get("restored_step") is not None else ""
+            self.out.warn(f"watchdog: {record['kind']}, {record['action']}{where}: {record['reason']}")
         elif event == "lr_drop":
             self.out.warn(f"step {record['step']}: repeated spikes, learning rate scaled to {record['lr_scale']:g}")
         elif event == "checkpoint" and not self.out.progress_enabled:

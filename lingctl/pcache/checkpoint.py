@@ -212,3 +212,14 @@ def _first_failure(mine: LingctlError | None, group: Any) -> LingctlError | None
             kind, message, hint = failure
             return kind(message, hint=hint)
     return None
+
+
+def saved_keys(directory: str | Path) -> set[str]:
+    """The flattened state-dict keys a local checkpoint holds (``optimizer.state.<fqn>.step`` ...), read from its
+    verified-safe metadata: a caller loads only what is there (an optimizer has no state for a parameter that
+    never had a gradient before the save)."""
+    local = Path(directory)
+    marker = tier.read_marker(local)
+    if marker is None:
+        raise VerificationError(f"{local}: incomplete checkpoint (no {tier.MARKER})")
+    return set(SafeReader(local, files=marker["files"]).read_metadata().state_dict_metadata)

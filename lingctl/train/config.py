@@ -131,6 +131,54 @@ class MoeLossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WatchdogConfig:
+    """What the in-worker watchdog calls divergence and what a rollback does (Ling report §3: retry or skip
+    wide spikes, lower the learning rate when they persist); and the routing-health warnings."""
+
+    # This many skipped spikes within `window_steps` steps are a divergence, not noise (the spike guard's
+    # own LR drop comes first, at spike.max_spikes).
+    spikes: int = 6
+    window_steps: int = 100
+    lr_factor: float = 0.5  # each rollback multiplies the learning rate by this
+    max_rollbacks: int = 3  # then the run ends with exit 1 (a give_up incident)
+    # Routing health, warned about (no action) when a MoE layer passes either threshold over the last
+    # `routing_window` steps on average, or has an expert that got no token in all of them (dead expert).
+    routing_cv: float = 1.5
+    routing_max_over_mean: float = 4.0
+    routing_window: int = 20
+    # A synchronous worker whose busy time per step is this many times the others' median, on average over
+    # `straggler_window` steps, is reported as a straggler (warning).
+    straggler_ratio: float = 1.5
+    straggler_window: int = 20
+
+    def validate(self) -> None:
+        if isinstance(self.spikes, bool) or not isinstance(self.spikes, int) or self.spikes < 1:
+            raise UsageError(f"watchdog_config.spikes must be an integer >= 1, got {self.spikes!r}")
+        for name in ("window_steps", "routing_window", "straggler_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"watchdog_config.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+            raise UsageError(f"watchdog_config.max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
+        if not (isinstance(self.lr_factor, (int, float)) and 0.0 < self.lr_factor < 1.0):
+            raise UsageError(f"watchdog_config.lr_factor must be in (0, 1), got {self.lr_factor!r}")
+        for name in ("routing_cv", "routing_max_over_mean", "straggler_ratio"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise UsageError(f"watchdog_config.{name} must be a finite number > 0, got {value!r}")
+
+
+def parse_pair(text: str | None, what: str) -> tuple[int, int] | None:
+    """ "A:B" of two whole numbers >= 0 (the drills' RANK:STEP and STEP:COUNT)."""
+    if text is None:
+        return None
+    parts = str(text).split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"{what} must be two whole numbers A:B, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     preset: str = "small"
     # Changes to the preset's model shape, with config.json names: {num_hidden_layers = 2}.
@@ -184,9 +232,27 @@ class TrainConfig:
     simulate_slow_rank: int | None = None
     slowdown: float = 1.0
     simulate_bad_rank: int | None = None
+    # The watchdog: None = on with several workers. In the workers it rolls a diverged run back to its last
+    # checkpoint with a lower learning rate, skipping the data that diverged; in the launcher it restarts
+    # hung and crashed jobs (see docs/train.md).
+    watchdog: bool | None = None
+    watchdog_config: WatchdogConfig = field(default_factory=WatchdogConfig)
+    # Fault drills for the watchdog, each in the job's first attempt only (a restart or rollback does not
+    # repeat it): rank R blocks for ever in a point-to-point receive at step S ("R:S"); the loss of step S
+    # is NaN; N spikes in a row from step S ("S:N"); the router of MoE layer L sends every token to the
+    # same experts.
+    simulate_hang: str | None = None
+    simulate_nan: int | None = None
+    simulate_spikes: str | None = None
+    simulate_routing_collapse: int | None = None
 
     def validate(self) -> None:
         check_ranges(self, TRAIN_RULES)
+        parse_pair(self.simulate_hang, "simulate_hang (--simulate-hang RANK:STEP)")
+        parse_pair(self.simulate_spikes, "simulate_spikes (--simulate-spikes STEP:COUNT)")
+        if self.watchdog is not None and not isinstance(self.watchdog, bool):
+            raise UsageError(f"watchdog must be true or false, got {self.watchdog!r}")
+        self.watchdog_config.validate()
         if any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in self.inject_spikes):
             raise UsageError(f"inject_spikes must be a list of attempt numbers >= 0, got {self.inject_spikes!r}")
         self.data.validate()
@@ -235,6 +301,8 @@ TRAIN_RULES: dict[str, Check] = {
     "simulate_slow_rank": _whole(0),
     "slowdown": _number(1, 1000),
     "simulate_bad_rank": _whole(0),
+    "simulate_nan": _whole(1),
+    "simulate_routing_collapse": _whole(0),
 }
 
 

@@ -32,6 +32,10 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 # The files at the top of a run directory, besides the manifest and the checkpoints.
 RUN_FILES = (TOKENIZER, METRICS, LATEST)
+# What the watchdog records: one line per incident, and the verdicts of hangs (stacks and all).
+INCIDENTS = "incidents.jsonl"
+INCIDENT_DIR = "incidents"
+WATCHDOG_FILES = (INCIDENTS, INCIDENT_DIR)
 # Written at the end of a local run when the name is free (``lingctl train plot``'s default output).
 PLOT = "loss.png"
 
@@ -50,7 +54,7 @@ def checkpoint_step(name: str) -> int | None:
 
 def is_layout_name(name: str) -> bool:
     """Whether ``name`` is one lingctl creates in a run directory (and so may appear in a manifest)."""
-    return name in RUN_FILES or name == PLOT or checkpoint_step(name) is not None
+    return name in RUN_FILES or name in WATCHDOG_FILES or name == PLOT or checkpoint_step(name) is not None
 
 
 @dataclass(kw_only=True, slots=True)

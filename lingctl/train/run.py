@@ -48,6 +48,12 @@ RESUMABLE_CHANGES = frozenset(
         "max_shard_size",
         "hf_code_repo",
         "report_to",
+        "watchdog",
+        "watchdog_config",
+        "simulate_hang",
+        "simulate_nan",
+        "simulate_spikes",
+        "simulate_routing_collapse",
     }
 )
 
@@ -86,7 +92,7 @@ def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mappi
     """The saved config, with the explicitly given settings that a resume may change applied; an explicit
     setting that would change the experiment is refused with both values named."""
     config = from_mapping(TrainConfig, saved, where="the run's saved config")
-    config.crash_at_step = None  # a drill of the interrupted run, not of the experiment
+    _no_drills(config)  # the drills of the interrupted run, not of the experiment
     saved_flat = _flatten(dataclasses.asdict(config))
     requested_flat = _flatten(dataclasses.asdict(requested))
     for key in explicit:
@@ -98,11 +104,19 @@ def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mappi
                 f"cannot resume with {key}={requested_flat.get(key)!r}: the run was started with {saved_flat[key]!r}",
                 hint="drop the option, or start a new run with another --out",
             )
-    for key in RESUMABLE_CHANGES:
-        if key in explicit:
-            setattr(config, key, getattr(requested, key))
+    for key in explicit:
+        top = key.split(".")[0]
+        if top in RESUMABLE_CHANGES:
+            setattr(config, top, getattr(requested, top))
     config.validate()
     return config
+
+
+def _no_drills(config: TrainConfig) -> None:
+    """Fault drills fire in the first attempt only, or a restart or resume would repeat them."""
+    config.crash_at_step = None
+    config.simulate_hang = config.simulate_spikes = None
+    config.simulate_nan = config.simulate_routing_collapse = None
 
 
 def train(
@@ -142,7 +156,7 @@ def train(
     if latest is not None:
         config = resume_config(_saved_config(run, latest), requested, explicit)
     if workers.restarts > 0:
-        config.crash_at_step = None  # a drill fires in the first attempt only, or a restart would repeat it
+        _no_drills(config)
     init = None
     if config.init_from and latest is None:
         init = open_init_source(config.init_from)

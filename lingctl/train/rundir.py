@@ -40,6 +40,7 @@ from lingctl.train.manifest import (
     LATEST,
     METRICS,
     RUN_FILES,
+    WATCHDOG_FILES,
     checkpoint_name,
     checkpoint_step,
     parse_latest,
@@ -135,6 +136,12 @@ class RunDir:
         for place in self._places():
             place.open(adopt=self.adopt, resume=False)
             place.claim(RUN_FILES)  # the manifest is the first file written into a new run directory
+
+    def claim_watchdog_files(self) -> None:
+        """List incidents.jsonl and incidents/ as the run's before the watchdog writes them (runs created before
+        they existed get them listed on resume)."""
+        for place in self._places():
+            place.claim(WATCHDOG_FILES)
 
     def fetch_for_resume(self, latest: dict[str, Any], *, last_step: int, main: bool = True) -> None:
         """Bring the committed checkpoint, tokenizer and metrics into the local directory. ``main``: this

@@ -15,12 +15,12 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.config import to_dict
@@ -39,18 +39,24 @@ from lingctl.model.checkpoint_files import (
 from lingctl.model.config import LingConfig
 from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
 from lingctl.model.ling import LingForCausalLM
+from lingctl.model.moe import SparseMoeBlock
 from lingctl.model.safetensors_io import load_safetensors
 from lingctl.model.tokenizer import save_tokenizer
 from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
+from lingctl.pcache.checkpoint import saved_keys
 from lingctl.pcache.tier import read_marker
 from lingctl.train import losses, schedule
-from lingctl.train.config import TrainConfig, resolve
+from lingctl.train.config import TrainConfig, parse_pair, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
+from lingctl.train.health import RoutingHealth, StragglerWatch
+from lingctl.train.incidents import INCIDENT_DIR, INCIDENTS, Incident
+from lingctl.train.incidents import append as append_incident
+from lingctl.train.incidents import read as read_incidents
 from lingctl.train.rundir import METRICS, RunDir, checkpoint_name
 from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
-from lingctl.train.spike import SpikeGuard
+from lingctl.train.spike import SpikeGuard, Verdict
 from lingctl.train.workers import Workers, strided_rows
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,15 @@ Record = dict[str, Any]
 class TrainingDiverged(LingctlError):
     """The run stopped because it could not go on usefully: every recent step was skipped, or a value the
     update needs is not a finite number. Nothing is saved after the last good checkpoint."""
+
+
+class _Divergence(Exception):
+    """Raised inside the loop when the watchdog may roll the run back instead of ending it."""
+
+    def __init__(self, reason: str, onset: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.onset = onset  # monotonic time of the first bad step
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,6 +177,18 @@ class Trainer:
         self._waited_s = 0.0
         self._busy_s = 0.0
         self._busy_tokens = 0
+        self._data_s = self._compute_s = self._pace_data_s = self._pace_compute_s = 0.0
+        # The watchdog's part inside the workers (None: on with several workers): a diverged run goes back to
+        # its last checkpoint with a lower learning rate instead of ending. Only where every worker takes the
+        # same decision at the same step (one worker, or synchronous steps); local SGD leaves it to the
+        # launcher's restart.
+        self.watchdog = config.watchdog if config.watchdog is not None else self.workers.world > 1
+        self.rollbacks = 0
+        self._recent_spikes: list[tuple[int, float]] = []  # (step, monotonic time) of skipped spikes
+        self._drill_spikes = 0
+        self._nan_fired = False
+        self._routing: RoutingHealth | None = None
+        self._stragglers: StragglerWatch | None = None
         self.announce_setup = announce_setup
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -234,6 +261,17 @@ class Trainer:
         elif self.metrics_path is not None:
             self.metrics_path.write_text("")
         self.wrapped = self._wrap(self.model)
+        if self.workers.is_main:
+            self.run.claim_watchdog_files()
+            layers = [i for i, layer in enumerate(self.model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+            self._routing = RoutingHealth(c.watchdog_config, layers, self.model.config.num_experts)
+            if self.workers.world > 1:
+                self._stragglers = StragglerWatch(c.watchdog_config, self.workers.world)
+        if latest is not None:
+            self._reapply_rollbacks()
+            if self.workers.is_main:
+                self._publish_incidents()  # what the launcher recorded about the attempt that ended
+        self._collapse_drill()
 
     def _init_shape(self, latest: dict[str, Any] | None) -> LingConfig | None:
         """The model shape of a run started from a checkpoint: the starting checkpoint's, or on resume the
@@ -266,7 +304,9 @@ class Trainer:
             f.write(text)
         return name
 
-    def _load_state(self, latest: dict[str, Any]) -> None:
+    def _load_state(self, latest: dict[str, Any]) -> list[Record]:
+        """The checkpoint ``latest`` into the model, optimizer and position; returns the step records of
+        metrics.jsonl that came after it (now removed from the file)."""
         ckpt = join_under(self.run.local, latest["path"], what="latest.json path")
         if (ckpt / STATE_DIR).is_dir():
             state = self._load_pcache_state(ckpt / STATE_DIR)
@@ -284,9 +324,9 @@ class Trainer:
                 f"{ckpt}: the saved training state is damaged ({type(exc).__name__}: {exc})",
                 hint="resume from another checkpoint, or start a new run",
             ) from None
-        if self.metrics_path is not None:
-            self._truncate_metrics(self.step)
+        abandoned = self._truncate_metrics(self.step) if self.metrics_path is not None else []
         log.info("resumed %s at step %d", self.run.describe(), self.step)
+        return abandoned
 
     def _restore(self, state: dict[str, Any]) -> None:
         """Position, guard, router statistics and RNG from a checkpoint's training state."""
@@ -326,6 +366,11 @@ class Trainer:
             )
         train_key, optim_key = self._keys()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # Only the optimizer state the checkpoint has: a parameter that had no gradient before the save (an
+        # expert no token reached) has none there, and keeps none, as in the run that saved it.
+        saved = saved_keys(directory)
+        states: dict[str, Any] = optim_sd["state"]  # type: ignore[assignment]
+        optim_sd["state"] = {fqn: st for fqn, st in states.items() if f"{optim_key}.state.{fqn}.step" in saved}
         template = {
             "model": model_sd,
             optim_key: optim_sd,
@@ -334,20 +379,24 @@ class Trainer:
         }
         pcache_load(template, directory)
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template[optim_key]
+            self.model,
+            self.optimizer,
+            model_state_dict=template["model"],
+            optim_state_dict=template[optim_key],
+            options=StateDictOptions(strict=False),
         )
         self._load_extra_state(template)
         state = json.loads(template[train_key]["meta"])
         state["rng"] = template[train_key]["rng"]
         return state
 
-    def _truncate_metrics(self, step: int) -> None:
+    def _truncate_metrics(self, step: int) -> list[Record]:
         """Drop records written after the checkpoint (and a torn last line), so the resumed run's records
-        continue the file as if there had been no interruption."""
+        continue the file as if there had been no interruption; returns the dropped step records."""
         path = self.metrics_path
         if path is None:  # this process writes no metrics (a worker other than the first)
-            return
-        kept = []
+            return []
+        kept, dropped = [], []
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():
                 try:
@@ -360,8 +409,11 @@ class Trainer:
                     if record.get("step") == step and record.get("event") not in ("step", "eval", "checkpoint"):
                         continue
                     kept.append(line)
+                elif record.get("event") == "step":
+                    dropped.append(record)
         with atomic_write(path) as (_, f):
             f.write("".join(k + "\n" for k in kept).encode())
+        return dropped
 
     # -- the loop -------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -390,20 +442,37 @@ class Trainer:
                 self._boundary_done()
                 # The pace a worker reports is its step alone: evals, saves and stop checks are not in it.
                 began, self._waited_s, tokens_before = time.monotonic(), 0.0, self.tokens
-                record = self._step()
+                self._hang_drill()
+                try:
+                    record = self._step()
+                except _Divergence as divergence:
+                    self._roll_back(divergence)
+                    continue
                 if record is not None:
                     self._drills(record)
                     first_loss = record["loss"] if first_loss is None else first_loss
                     last_loss = record["loss"]
                 self._busy_s = time.monotonic() - began - self._waited_s
                 self._busy_tokens = self._local_tokens(self.tokens - tokens_before)
+                self._pace_data_s, self._pace_compute_s = self._data_s, self._compute_s
         finally:
             if self._metrics is not None:
                 self._metrics.close()
             if self.workers.is_main:
                 self.run.wait_uploads()
                 self.run.publish([METRICS])
+                self._publish_incidents()
         return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _publish_incidents(self) -> None:
+        """To the store of an s3:// run: incidents.jsonl and the hang verdicts, which the launcher writes
+        into the local staging directory (a no-op for local runs)."""
+        names = [INCIDENTS] if (self.run.local / INCIDENTS).is_file() else []
+        if (self.run.local / INCIDENT_DIR).is_dir():
+            names += sorted(
+                f"{INCIDENT_DIR}/{p.name}" for p in (self.run.local / INCIDENT_DIR).iterdir() if p.is_file()
+            )
+        self.run.publish(names)
 
     def _start_record(self) -> Record:
         """What a live view shows before the first step (not a metric: metrics.jsonl does not get it)."""
@@ -583,24 +652,36 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         inputs, targets = batch_tensors(self.data.tokens.train, rows)
+        t_data = time.monotonic()
+        self._data_s = t_data - t0  # this worker's pace, by part: reading the batch ...
         parts = self._forward(inputs, targets)
         loss = parts["loss"]
         if self.attempt in c.inject_spikes:
             loss = loss * c.inject_spike_factor
         if self.workers.rank == c.simulate_bad_rank and c.sync == "ddp":
             loss = loss * 100.0  # fault drill: this worker's gradient is 100 times too large
+        if c.simulate_nan == self.step + 1 and not self._nan_fired and self.workers.rank == 0:
+            self._nan_fired = True  # once: the step after the rollback trains normally
+            loss = loss * float("nan")  # fault drill: a non-finite loss
         # Synchronous workers decide on the mean loss, so all of them skip or apply the same steps; the same
         # collective brings rank 0 every worker's pace in its previous iteration.
         loss_value = float(loss.detach())
         paces = None
         if self._synchronous():
             t_wait = time.monotonic()
-            gathered = self.workers.gather([loss_value, self._busy_s, float(self._busy_tokens)])
+            gathered = self.workers.gather(
+                [loss_value, self._busy_s, float(self._busy_tokens), self._pace_data_s, self._pace_compute_s]
+            )
             self._waited_s += time.monotonic() - t_wait
             loss_value = float(gathered[:, 0].sum()) / self.workers.world
             paces = gathered[:, 1:]
         grad_norm = float("nan")
         verdict = self.guard.check_loss(loss_value)
+        spikes_drill = parse_pair(c.simulate_spikes, "simulate_spikes")
+        if spikes_drill and self.step + 1 >= spikes_drill[0] and not verdict.spike:
+            if self._drill_spikes < spikes_drill[1]:  # fault drill: the guard sees a spike, whatever the loss
+                self._drill_spikes += 1
+                verdict = Verdict(True, f"fault drill spike {self._drill_spikes}/{spikes_drill[1]}")
         finite = math.isfinite(loss_value)
         if not verdict.spike:
             loss.backward()
@@ -614,13 +695,28 @@ class Trainer:
             self._on_spike(rows, tries, loss_value, grad_norm, verdict.reason)
             self.attempt += 1
             self.skipped_in_a_row += 1
+            now = time.monotonic()
+            window = c.watchdog_config.window_steps
+            self._recent_spikes = [(s, t) for s, t in self._recent_spikes if s > self.step - window]
+            self._recent_spikes.append((self.step, now))
+            onset = self._recent_spikes[0][1]
+            if not finite and self.watchdog:
+                self._diverged(f"{verdict.reason} at step {self.step + 1}", onset=t0)
             if not finite and not self._parameters_finite():
-                self._diverged(f"the model's parameters are no longer finite ({verdict.reason})")
+                self._diverged(f"the model's parameters are no longer finite ({verdict.reason})", onset=now)
             if self.skipped_in_a_row >= c.max_consecutive_skips:
-                self._diverged(f"{self.skipped_in_a_row} steps in a row were skipped (last: {verdict.reason})")
+                self._diverged(
+                    f"{self.skipped_in_a_row} steps in a row were skipped (last: {verdict.reason})", onset=onset
+                )
+            if self.watchdog and len(self._recent_spikes) >= c.watchdog_config.spikes:
+                self._diverged(
+                    f"{len(self._recent_spikes)} spikes within {window} steps (last: {verdict.reason})", onset=onset
+                )
             return None
         self.skipped_in_a_row = 0
         self.optimizer.step()
+        # ... and computing it (forward, backward, update), the wait for the other workers excluded.
+        self._compute_s = time.monotonic() - t_data - self._waited_s
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.accept(loss_value, grad_norm)
         self.step += 1
@@ -648,22 +744,199 @@ class Trainer:
         }
         if paces is not None and self.workers.world > 1 and (paces[:, 0] > 0).all():
             record["worker_tokens_per_s"] = worker_rates(paces[:, 1], paces[:, 0])
+            if self._stragglers is not None:
+                for slow in self._stragglers.observe(time.monotonic(), paces[:, 0], paces[:, 2], paces[:, 3]):
+                    self._incident(
+                        "straggler",
+                        "warn",
+                        ranks=[slow.rank],
+                        detected_after_s=slow.window_s,
+                        details={"reason": slow.reason(), **asdict(slow)},
+                    )
         if tries:
             record["retried"] = True
         self._emit(record)
+        if self._routing is not None:
+            for warning in self._routing.observe(time.monotonic(), parts["routes"]):
+                self._incident(
+                    "routing",
+                    "warn",
+                    ranks=[self.workers.rank],
+                    detected_after_s=warning.window_s,
+                    details={"reason": warning.reason(), **asdict(warning)},
+                )
         return record
 
     def _parameters_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
-    def _diverged(self, why: str) -> None:
-        """End the run: a metrics record saying why, then one line for the user (exit 1). Nothing is saved,
-        so the last checkpoint stays the last good state."""
-        message = f"training diverged after step {self.step}: {why}"
+    def _diverged(self, why: str, *, onset: float | None = None) -> None:
+        """A metrics record saying why; then the watchdog rolls back (:meth:`_roll_back`), or the run ends
+        with one line for the user (exit 1). Nothing is saved, so the last checkpoint stays the last good
+        state."""
         self._emit({"event": "diverged", "step": self.step, "attempt": self.attempt, "reason": why})
+        if self._may_roll_back():
+            raise _Divergence(why, time.monotonic() if onset is None else onset)
+        latest = self.run.latest() if self.watchdog and self.workers.distributed else None
+        if latest is not None and self.rollbacks < self.config.watchdog_config.max_rollbacks:
+            # Local SGD: this worker diverged on its own, and the others cannot roll back with it. Its attempt
+            # ends; the launcher restarts the job from the last checkpoint, where this record has the lower
+            # learning rate and the skipped data applied (:meth:`_reapply_rollbacks`).
+            wc = self.config.watchdog_config
+            self._incident(
+                "divergence",
+                "restart",
+                anyone=True,
+                ranks=[self.workers.rank],
+                detected_after_s=round(time.monotonic() - (onset or time.monotonic()), 3),
+                restored_step=int(latest["step"]),
+                lost_steps=max(0, self.checkpoint_step() - int(latest["step"])),
+                details={
+                    "reason": why,
+                    "lr_factor": wc.lr_factor,
+                    # From the checkpoint's position (known at the restart) to where this worker stopped.
+                    "skipped_window": [None, self.position.cursor * self.workers.world],
+                    "rollback": self.rollbacks + 1,
+                },
+            )
+            raise TrainingDiverged(
+                f"worker {self.workers.rank} diverged after step {self.step}: {why}",
+                hint=f"the job restarts from step {latest['step']} with a lower learning rate (watchdog)",
+            )
         raise TrainingDiverged(
-            message, hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step"
+            f"training diverged after step {self.step}: {why}",
+            hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step",
         )
+
+    # -- the watchdog inside the workers ------------------------------------------------------------------
+    def _may_roll_back(self) -> bool:
+        """Every worker must take the decision at the same step: one worker, or synchronous steps."""
+        return self.watchdog and (self.workers.world == 1 or self._synchronous())
+
+    def _roll_back(self, divergence: _Divergence) -> None:
+        """Back to the last checkpoint, with the learning rate times ``watchdog_config.lr_factor`` and the
+        data since that checkpoint skipped (the window is recorded, so the run stays reproducible); the
+        abandoned steps' records move from metrics.jsonl into the incident. Ends the run (exit 1, a give_up
+        incident) when there is no checkpoint or the rollback budget is spent."""
+        verdict_at = time.monotonic()
+        wc = self.config.watchdog_config
+        latest = self.run.latest()
+        detected = round(verdict_at - divergence.onset, 3)
+        if latest is None or self.rollbacks >= wc.max_rollbacks:
+            why = "there is no checkpoint to go back to" if latest is None else f"{self.rollbacks} rollback(s) done"
+            self._incident(
+                "divergence",
+                "give_up",
+                ranks=list(range(self.workers.world)),
+                detected_after_s=detected,
+                details={"reason": divergence.reason, "why": why},
+            )
+            raise TrainingDiverged(
+                f"training diverged after step {self.step}: {divergence.reason}; {why}",
+                hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step",
+            )
+        diverged_at, cursor = self.step, self.position.cursor
+        if self._metrics is not None:
+            self._metrics.close()
+        # As at a resume: the optimizer holds state only for what the checkpoint has (an expert that first got
+        # tokens after it has none there).
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+        abandoned = self._load_state(latest)
+        if self.metrics_path is not None:
+            self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        self.guard.lr_scale *= wc.lr_factor
+        window = [self.position.cursor * self.workers.world, cursor * self.workers.world]
+        self.position.cursor = max(self.position.cursor, cursor)
+        self.rollbacks += 1
+        self.skipped_in_a_row = 0
+        self._recent_spikes = []
+        self._evaluated_at = self._saved_at = self.step
+        if self._routing is not None:
+            self._routing.reset()
+        self._incident(
+            "divergence",
+            "rollback",
+            ranks=list(range(self.workers.world)),
+            detected_after_s=detected,
+            restored_step=self.step,
+            lost_steps=diverged_at - self.step,
+            recovery_s=round(time.monotonic() - verdict_at, 3),
+            details={
+                "reason": divergence.reason,
+                "lr_factor": wc.lr_factor,
+                "lr_scale": self.guard.lr_scale,
+                # Positions in the run's batch order (BatchOrder) whose sequences are not trained on.
+                "skipped_window": window,
+                "rollback": self.rollbacks,
+                "abandoned_records": abandoned,
+            },
+        )
+        log.info(
+            "diverged after step %d (%s): rolled back to step %d, learning rate x%g, data window %s skipped",
+            diverged_at,
+            divergence.reason,
+            self.step,
+            wc.lr_factor,
+            window,
+        )
+
+    def _reapply_rollbacks(self) -> None:
+        """A resume from the checkpoint a rollback went back to applies that rollback again (its lower learning
+        rate and skipped data are not in the checkpoint, which predates it); later checkpoints hold them."""
+        found = self.workers.broadcast(read_incidents(self.run.local) if self.workers.is_main else None) or []
+        rollbacks = [r for r in found if r.get("kind") == "divergence" and r.get("action") in ("rollback", "restart")]
+        self.rollbacks = len(rollbacks)
+        for r in rollbacks:
+            if r.get("restored_step") == self.checkpoint_step():
+                d = r.get("details") or {}
+                self.guard.lr_scale *= float(d.get("lr_factor", 1.0))
+                self.position.cursor = max(self.position.cursor, int(d["skipped_window"][1]) // self.workers.world)
+
+    def _incident(self, kind: str, action: str, *, anyone: bool = False, **fields: Any) -> None:
+        """Rank 0 records for the job (``anyone``: this worker, for what only it knows): a line in
+        incidents.jsonl, and a record for the live view."""
+        if not (self.workers.is_main or anyone):
+            return
+        record = append_incident(
+            self.run.local, Incident(kind=kind, action=action, attempt=self.workers.restarts, **fields)
+        )
+        if self.workers.is_main:
+            self.run.publish([INCIDENTS])
+        view = {k: v for k, v in record.items() if k != "details"}
+        view["reason"] = record["details"].get("reason", "")
+        self._emit({"event": "incident", **view}, metric=False)
+
+    def _hang_drill(self) -> None:
+        """Fault drill: rank R blocks for ever at step S inside a point-to-point receive that nobody sends;
+        the others wait for it in the step's next collective (first attempt only)."""
+        hang = parse_pair(self.config.simulate_hang, "simulate_hang")
+        if hang is None or not self.workers.distributed:
+            return
+        rank, step = hang
+        if self.workers.rank == rank and self.step + 1 == step:
+            import torch.distributed as dist
+
+            log.warning("fault drill: worker %d hangs at step %d", rank, step)
+            dist.recv(torch.zeros(1), src=(rank + 1) % self.workers.world, tag=4242)
+
+    def _collapse_drill(self) -> None:
+        """Fault drill: the router of decoder layer L sends every token to the same top-k experts."""
+        layer = self.config.simulate_routing_collapse
+        if layer is None:
+            return
+        layers = list(self.model.model.layers)
+        mlp = getattr(layers[layer], "mlp", None) if layer < len(layers) else None
+        if not isinstance(mlp, SparseMoeBlock):
+            raise UsageError(f"simulate_routing_collapse: layer {layer} is not an MoE layer of this model")
+        gate = mlp.gate
+
+        def collapse(module: torch.nn.Module, inputs: Any, out: Any) -> Any:
+            k = out.topk_idx_TK.shape[-1]
+            out.topk_idx_TK = torch.arange(k).expand_as(out.topk_idx_TK).contiguous()
+            return out
+
+        gate.register_forward_hook(collapse)
 
     def _on_spike(self, rows: list[int], tries: int, loss: float, grad_norm: float, reason: str) -> None:
         c = self.config.spike
@@ -715,6 +988,7 @@ class Trainer:
         return self.step
 
     def _save(self, start: float) -> str:
+        began = time.monotonic()
         rel = checkpoint_name(self.checkpoint_step())
         directory = self.run.local / rel
         if self.workers.local_rank == 0:  # listed as lingctl's before any worker writes into it
@@ -754,7 +1028,15 @@ class Trainer:
             self.run.publish_checkpoint(self.checkpoint_step(), rel, files + [METRICS])
             self.run.prune(self.config.keep_checkpoints, rel)
         self.workers.barrier()
-        self._emit({"event": "checkpoint", "step": self.checkpoint_step(), "path": f"{self.run.describe()}/{rel}"})
+        # save_s: the launcher's hang timeout must outlast the longest save (no collective runs during one).
+        self._emit(
+            {
+                "event": "checkpoint",
+                "step": self.checkpoint_step(),
+                "path": f"{self.run.describe()}/{rel}",
+                "save_s": round(time.monotonic() - began, 3),
+            }
+        )
         return rel
 
     def _keys(self) -> tuple[str, str]:

@@ -18,6 +18,7 @@ import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lingctl.core.errors import UsageError
+from lingctl.train.agent import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class Workers:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
-    restarts: int = 0  # how often the elastic launcher restarted this job (TORCHELASTIC_RESTART_COUNT)
+    restarts: int = 0  # how often the job was restarted (LINGCTL_ATTEMPT, or torchrun's TORCHELASTIC_RESTART_COUNT)
 
     @property
     def distributed(self) -> bool:
@@ -89,7 +91,11 @@ def start() -> Workers:
         return Workers()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # lingctl's launcher restarts the job itself (torchrun runs each attempt with --max-restarts=0) and says
+    # which attempt this is; a job under a user's own torchrun counts torchrun's restarts.
+    restarts = max(
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+    )
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -133,19 +139,18 @@ def launch_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def launch_argv(nproc: int, max_restarts: int, argv: list[str]) -> list[str]:
-    """The command that runs ``lingctl train ARGV`` as ``nproc`` workers under torch's elastic launcher."""
+def launch_argv(nproc: int, argv: list[str]) -> list[str]:
+    """The command that runs one attempt of ``lingctl train ARGV`` as ``nproc`` workers under torch's elastic
+    launcher. torchrun never restarts them itself: lingctl's launcher decides (agent.py)."""
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
+        "--max-restarts=0",
         "--monitor-interval=0.5",
         "-m",
         "lingctl",
@@ -162,65 +167,95 @@ def strided_rows(indices: Any, cursor: int, count: int, rank: int, world: int) -
     return indices(cursor * world, count * world)[rank::world].tolist()
 
 
+# The launcher's own options: with a value, and flags.
+LAUNCHER_OPTIONS = ("--nproc", "--max-restarts", "--hang-timeout")
+LAUNCHER_FLAGS = ("--watchdog", "--no-watchdog")
+
+
 def worker_args(argv: list[str]) -> list[str]:
-    """The ``train`` options of a command line, without the launcher's own (--nproc, --max-restarts)."""
+    """The ``train`` options of a command line, without the launcher's own (--nproc, --max-restarts,
+    --hang-timeout, --watchdog/--no-watchdog)."""
     args = argv[argv.index("train") + 1 :] if "train" in argv else list(argv)
     kept, skip = [], False
     for arg in args:
         if skip:
             skip = False
-        elif arg in ("--nproc", "--max-restarts"):
+        elif arg in LAUNCHER_OPTIONS:
             skip = True
-        elif not arg.startswith(("--nproc=", "--max-restarts=")):
+        elif arg not in LAUNCHER_FLAGS and not arg.startswith(tuple(f"{o}=" for o in LAUNCHER_OPTIONS)):
             kept.append(arg)
     return kept
 
 
-def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
-    """Run ``lingctl [...] train ARGV`` as ``nproc`` workers under torch's elastic launcher; its exit code.
+def launch(
+    nproc: int,
+    max_restarts: int | None,
+    argv: list[str],
+    *,
+    watchdog: bool | None = None,
+    hang_timeout_s: float | None = None,
+    out: str | None = None,
+    cache_dir: Path | None = None,
+    preset: str | None = None,
+) -> int:
+    """Run ``lingctl [...] train ARGV`` as ``nproc`` workers under torch's elastic launcher, restarting them
+    after a crash or a hang while the budget lasts (agent.py); the job's exit code.
 
-    ``argv`` is this process's command line; the launcher's own options (--nproc, --max-restarts) are taken
-    out, everything else reaches every worker unchanged. SIGTERM is passed on to the launcher, which passes
-    it to the workers (they finish their step, save and exit); Ctrl-C reaches them through the terminal.
+    ``argv`` is this process's command line; the launcher's own options are taken out, everything else
+    reaches every worker unchanged. ``max_restarts`` None: 3 with the watchdog on, else 0; ``watchdog``
+    None: on for more than one worker. ``out`` (None: the default name, chosen here so that every attempt
+    writes into the same run) and ``cache_dir`` locate the run's local directory, where incidents are
+    recorded. SIGTERM is passed on to torchrun, which passes it to the workers (they finish their step,
+    save and exit); Ctrl-C reaches them through the terminal. Neither is followed by a restart.
     """
-    import signal
-    import subprocess
-    import threading
+    from lingctl.train.agent import Job, JobOptions
 
-    debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
-    proc = subprocess.Popen(
-        launch_argv(nproc, max_restarts, worker_args(argv)),
-        env=launch_env(nproc),
-        stderr=None if debug else subprocess.PIPE,
-        text=True,
-        errors="replace",
+    args = worker_args(argv)
+    if out is None and "--resume" not in args:  # --resume without --out stays the workers' usage error
+        from lingctl.train.run import default_out
+
+        out = default_out(preset or "small")
+        args += ["--out", out]
+    given = _setting(args, "watchdog")
+    if watchdog is None and given is not None:  # `--set watchdog=false` turns the launcher's off too
+        watchdog = given.lower() in ("true", "1", "yes", "on")
+    options = JobOptions(
+        nproc=nproc,
+        max_restarts=max_restarts,
+        watchdog=watchdog,
+        hang_timeout_s=hang_timeout_s,
+        run_local=run_local(out, cache_dir) if out is not None else None,
     )
-    codes: list[int] = []
-    relay = None if debug else threading.Thread(target=_relay, args=(proc.stderr, codes), daemon=True)
-    if relay is not None:
-        relay.start()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # the launcher got the same Ctrl-C; wait for it to wind down
-                continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if relay is not None:
-        relay.join(timeout=5)
-    if rc == 0:
-        return 0
-    # The workers printed their own one-line errors; the launcher's report (a traceback and a table) was
-    # held back.
-    code = job_exit_code(codes)
-    sys.stderr.write(
-        f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
-        "hint: its error is above; LINGCTL_DEBUG=1 shows the launcher's full report\n"
-    )
-    return code
+    if given is None and _has_setting("watchdog"):  # the workers' own checks follow the launcher's choice
+        args += ["--set", f"watchdog={'true' if options.watching else 'false'}"]
+    return Job(args, options).run()
+
+
+def run_local(out: str, cache_dir: Path | None = None) -> Path:
+    """The local directory of the run at ``out``: itself, or for an s3:// run its staging directory."""
+    from lingctl.core.storage import parse_url
+    from lingctl.train.rundir import staging_dir
+
+    url = parse_url(out)
+    return staging_dir(url, cache_dir) if url.is_s3 else url.path
+
+
+def _setting(args: list[str], key: str) -> str | None:
+    """The value the last ``--set KEY=VALUE`` among ``args`` gives ``key``, if any."""
+    found = None
+    for i, arg in enumerate(args):
+        item = args[i + 1] if arg == "--set" and i + 1 < len(args) else arg.removeprefix("--set=")
+        if (arg == "--set" or arg.startswith("--set=")) and item.split("=", 1)[0].strip() == key and "=" in item:
+            found = item.split("=", 1)[1].strip()
+    return found
+
+
+def _has_setting(name: str) -> bool:
+    import dataclasses
+
+    from lingctl.train.config import TrainConfig
+
+    return name in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def job_exit_code(codes: list[int]) -> int:
@@ -234,20 +269,28 @@ def job_exit_code(codes: list[int]) -> int:
 # torchrun's own log lines ("W1202 16:29:24.788000 7255 torch/distributed/...") and its failure report.
 _LAUNCHER_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/")
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
-def _relay(stream: Any, codes: list[int]) -> None:
+def _relay(stream: Any, codes: list[int], failures: list[tuple[int, int]] | None = None) -> None:
     """Pass the workers' stderr through, holding back the launcher's logs and traceback report (but noting
-    the exit codes it lists)."""
+    the exit codes it lists, and in ``failures`` each failed worker's (rank, exit code))."""
     in_report = root = False
+    rank = -1
     for line in stream:
         if line.startswith("Traceback (most recent call last):") or line.startswith("====="):
             in_report = True
         if in_report or _LAUNCHER_LOG.match(line):
             root = root or line.startswith("Root Cause")
+            found_rank = _RANK.match(line)
+            if found_rank:
+                rank = int(found_rank.group(1))
             found = _EXITCODE.match(line)
             if found:  # the report's root cause (the first worker to fail) goes first
-                codes.insert(0 if root else len(codes), int(found.group(1)))
+                at = 0 if root else len(codes)
+                codes.insert(at, int(found.group(1)))
+                if failures is not None:
+                    failures.insert(at, (rank, int(found.group(1))))
                 root = False
             continue
         sys.stderr.write(line)

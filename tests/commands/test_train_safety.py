@@ -110,6 +110,8 @@ def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_
         "latest.json",
         "loss.png",
         "checkpoints/step-00000004",
+        "incidents.jsonl",  # listed before the watchdog would write them
+        "incidents",
     }
 
     resumed = lingctl(*common, "--steps", "6", "--resume")
@@ -127,7 +129,13 @@ def test_adopted_directory_prunes_only_its_own_checkpoints_through_resume_and_a_
     user_files_unchanged()
     assert checkpoints() == {"step-00000006", "step-00000008", "step-00000100"}
     # The loss.png the run drew before is unlisted now, so it is kept as it is and not drawn over.
-    assert manifest_entries(user) == {"metrics.jsonl", "latest.json", "checkpoints/step-00000008"}
+    assert manifest_entries(user) == {
+        "metrics.jsonl",
+        "latest.json",
+        "checkpoints/step-00000008",
+        "incidents.jsonl",
+        "incidents",
+    }
 
 
 def test_s3_prefix_holding_other_objects_is_refused_and_left_alone(
@@ -247,12 +255,12 @@ def test_a_diverging_run_ends_with_exit_1_and_says_why(lingctl, tmp_path, text_c
         (("--seq-len", "1"), "seq_len"),
         (("--save-every", "-1"), "save_every"),
         (("--eval-every", "-2"), "eval_every"),
-        (("--max-seconds", "nan"), "max_seconds"),
-        (("--max-seconds", "-5"), "max_seconds"),
+        (("--max-seconds", "nan"), "'--max-seconds': invalid duration 'nan'"),
+        (("--max-seconds", "-5"), "'--max-seconds': invalid duration '-5'"),
         (("--seed", "-1"), "seed"),
         (("--slowdown", "inf"), "slowdown"),
         (("--sync-every", "0"), "sync_every"),
-        (("--sync-every-seconds", "inf"), "sync_every_seconds"),
+        (("--sync-every-seconds", "inf"), "'--sync-every-seconds': invalid duration 'inf'"),
         (("--max-consecutive-skips", "0"), "max_consecutive_skips"),
         (("--set", "optim.beta2=1.0"), "optim.beta2"),
         (("--set", "optim.grad_clip=nan"), "optim.grad_clip"),

@@ -1,5 +1,5 @@
 """`lingctl train --nproc 2` as real processes: torch's elastic launcher, gloo, DDP and EDiT local SGD,
-checkpoints through pcache, resume, a worker killed mid-run, and the fault drills."""
+checkpoints through pcache, resume, a worker killed mid-run (restarted and recorded), and the fault drills."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_
     assert done[-1]["resumed_from"] == 4 and done[-1]["steps"] == 10
     steps = [r["step"] for r in metrics(run) if r["event"] == "step"]
     assert steps == list(range(1, 11))  # the records after the checkpoint were replaced, not duplicated
+    # The launcher recorded the crash: the killed rank, its signal, the checkpoint restored, the steps lost.
+    (crash,) = [json.loads(line) for line in (run / "incidents.jsonl").read_text().splitlines()]
+    assert crash["kind"] == "crash" and crash["action"] == "restart" and crash["ranks"] == [1], crash
+    assert crash["details"]["signal"] == "SIGKILL" and crash["attempt"] == 0
+    assert crash["restored_step"] == 4 and crash["lost_steps"] == 2
+    assert crash["recovery_s"] is not None and 0 < crash["recovery_s"] < 240
 
 
 def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs_and_resumes(
@@ -129,3 +135,6 @@ def test_bad_input_on_several_workers_is_one_line_per_worker_and_the_workers_exi
     assert res.returncode == 3, res.stderr
     assert "Traceback" not in res.stderr and "data path not found" in res.stderr
     assert all(line.startswith(("lingctl: error:", "hint:")) for line in res.stderr.strip().splitlines()), res.stderr
+    # Not found is not restarted (the watchdog is on, with its default budget of 3): the same input would fail
+    # the same way. Nor are bad settings (2) or a failed verification (4).
+    assert "restart" not in res.stderr and not (tmp_path / "run" / "incidents.jsonl").exists()

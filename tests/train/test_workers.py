@@ -32,13 +32,15 @@ def test_workers_read_disjoint_rows_that_together_are_the_global_order() -> None
 
 def test_the_launch_line_keeps_every_train_option_but_the_launchers_own() -> None:
     argv = ["-v", "train", "--nproc", "4", "--steps", "10", "--max-restarts=2", "--sync", "edit", "--json"]
+    argv += ["--no-watchdog", "--hang-timeout", "5m", "--watchdog", "--hang-timeout=30"]
     assert worker_args(argv) == ["--steps", "10", "--sync", "edit", "--json"]
-    cmd = launch_argv(4, 2, worker_args(argv))
+    cmd = launch_argv(4, worker_args(argv))
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--nproc-per-node=4" in cmd and "--max-restarts=2" in cmd
+    # torchrun never restarts on its own: lingctl's launcher decides each attempt.
+    assert "--nproc-per-node=4" in cmd and "--max-restarts=0" in cmd
     assert cmd[cmd.index("-m", 3) :][:3] == ["-m", "lingctl", "train"]
-    with pytest.raises(UsageError, match="--max-restarts must be >= 0"):
-        launch_argv(2, -1, [])
+    with pytest.raises(UsageError, match="--nproc must be at least 1"):
+        launch_argv(0, [])
 
 
 # The tail of torchrun's failure report when worker 1 saw its peer go before worker 0's own exit was observed.
@@ -66,8 +68,10 @@ Root Cause (first observed failure):
 
 def test_the_job_exits_with_the_failed_workers_own_code_not_its_peers(capsys) -> None:
     codes: list[int] = []
-    _relay(io.StringIO(REPORT), codes)
+    failures: list[tuple[int, int]] = []
+    _relay(io.StringIO(REPORT), codes, failures)
     assert codes == [1, 3]  # the root cause first, as torchrun observed it
+    assert failures == [(1, 1), (0, 3)]  # with the failed workers' ranks
     assert job_exit_code(codes) == 3
     out = capsys.readouterr().err
     assert "data path not found" in out and "Traceback" not in out and "exitcode" not in out
