@@ -5,7 +5,7 @@ figures are read back from the run's ``incidents.jsonl``:
 
 - ``nan``: the loss of step 7 is NaN -> rollback to the last checkpoint (step 6), learning rate x0.5;
 - ``spikes``: 6 spikes in a row from step 9 -> rollback;
-- ``hang``: rank 1 blocks at step 8 inside a receive nobody sends -> the launcher's verdict, restart;
+- ``hang``: rank 1 blocks at step 8 inside a receive nobody sends -> the launcher's verdict (default hang timeout), restart;
 - ``crash``: rank 1 is SIGKILLed after step 8 -> restart.
 
 Cost: the same 40-step job with ``--watchdog`` and ``--no-watchdog``, alternated ``--rounds`` times; the
@@ -38,7 +38,7 @@ BASE = ("train", "--preset", "tiny", "--eval-every", "0", "--nproc", "2", "--sav
 DRILLS = {
     "nan": ("--steps", "12", "--simulate-nan", "7"),
     "spikes": ("--steps", "16", "--simulate-spikes", "9:6"),
-    "hang": ("--steps", "12", "--simulate-hang", "1:8", "--hang-timeout", "10", "--max-restarts", "1"),
+    "hang": ("--steps", "12", "--simulate-hang", "1:8", "--max-restarts", "1"),
     "crash": ("--steps", "12", "--set", "crash_at_step=8", "--set", "crash_rank=1", "--max-restarts", "1"),
 }
 

@@ -198,7 +198,7 @@ def train(
             parser=duration,
             metavar="DURATION",
             help=f"Watchdog: a job with no progress on any worker for this long is hung ({DURATION_FORMS}) "
-            "[default: max(60s, 10 x the median step), at least 2 x the longest checkpoint save].",
+            "[default: max(25s, 10 x the median step), at least 2 x the longest checkpoint save].",
         ),
     ] = None,
     sync: Annotated[

@@ -33,7 +33,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-MIN_HANG_TIMEOUT_S = 60.0
+MIN_HANG_TIMEOUT_S = 25.0  # detection within 30 s of the onset with the default
 STEP_FACTOR = 10.0
 SAVE_FACTOR = 2.0
 STARTUP_GRACE_S = 600.0
