@@ -1,7 +1,8 @@
 """`lingctl train --resume` from a tampered run directory: refused with exit 4 and one line, and nothing runs.
 
 The attacker here can write the checkpoint and its marker (pcache.json) alike, so the planted ``.metadata``
-passes its checksum: what stops it is the restricted unpickler.
+passes its checksum: what stops it is the restricted unpickler. The refusals come before any training, so the
+CLI runs in this process (a payload that did run would touch the sentinel from here just the same).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+from lingctl.cli import run as cli_run
 from lingctl.core.checksum import crc64_bytes
 from lingctl.core.errors import EXIT_VERIFY
 from tests.pcache.tier_fixtures import flip_byte
@@ -39,7 +41,7 @@ def _one_line_error(stderr: str) -> str:
     return lines[0]
 
 
-def test_resume_refuses_a_tampered_checkpoint_and_runs_nothing(lingctl, tmp_path, text_corpus, small_run):
+def test_resume_refuses_a_tampered_checkpoint_and_runs_nothing(capsys, tmp_path, text_corpus, small_run):
     run, sentinel = tmp_path / "run", tmp_path / "SENTINEL"
     shutil.copytree(small_run, run)  # a finished 2-step run, checkpoint at step 2
     common = (*TINY, "--data", str(text_corpus), "--out", str(run), "--save-every", "2")
@@ -49,9 +51,9 @@ def test_resume_refuses_a_tampered_checkpoint_and_runs_nothing(lingctl, tmp_path
     crafted = pickle.dumps(RunsCommand(sentinel))
     (state / ".metadata").write_bytes(crafted)
     _set_entry(state, ".metadata", crafted)
-    res = lingctl(*common, "--steps", "4", "--resume")
-    assert res.returncode == EXIT_VERIFY, res.stderr
-    line = _one_line_error(res.stderr)
+    code, err = cli_run([*common, "--steps", "4", "--resume"]), capsys.readouterr().err
+    assert code == EXIT_VERIFY, err
+    line = _one_line_error(err)
     assert ".metadata" in line and "refusing to load it" in line
     assert not sentinel.exists()
 
@@ -59,7 +61,7 @@ def test_resume_refuses_a_tampered_checkpoint_and_runs_nothing(lingctl, tmp_path
     (state / "pcache.json").write_bytes(marker)
     [data_file] = state.glob("__0_0.distcp")
     flip_byte(data_file, offset=data_file.stat().st_size // 2)
-    res = lingctl(*common, "--steps", "4", "--resume")
-    assert res.returncode == EXIT_VERIFY, res.stderr
-    assert "__0_0.distcp: checksum" in _one_line_error(res.stderr)
+    code, err = cli_run([*common, "--steps", "4", "--resume"]), capsys.readouterr().err
+    assert code == EXIT_VERIFY, err
+    assert "__0_0.distcp: checksum" in _one_line_error(err)
     assert json.loads((run / "latest.json").read_text())["step"] == 2  # nothing was trained on either

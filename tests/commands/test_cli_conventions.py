@@ -129,7 +129,7 @@ def test_a_bad_choice_is_a_usage_error(lingctl, tmp_path) -> None:
     assert r.stderr.startswith("lingctl: error: ") and "'fast'" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_flood_out_dash_streams_answers_to_stdout(lingctl, tiny_ckpt, tmp_path) -> None:  # noqa: F811
+def test_flood_out_dash_streams_answers_to_stdout(capsys, lingctl, tiny_ckpt, tmp_path) -> None:  # noqa: F811
     batch = write_batch(tmp_path / "b.jsonl", [greedy("one", [5, 6], 3), greedy("two", [7], 2)])
     r = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", "-", "--json")
     assert r.returncode == 0, r.stderr
@@ -140,8 +140,9 @@ def test_flood_out_dash_streams_answers_to_stdout(lingctl, tiny_ckpt, tmp_path) 
     assert summary["succeeded"] == 2 and summary["out"] == "stdout"
     assert not (tmp_path / "-").exists() and not (tmp_path / "b.output.jsonl").exists()
     assert (tmp_path / "b.errors.jsonl").read_text() == ""
-    r = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", "-", "--resume")
-    assert r.returncode == 2 and "--resume" in r.stderr.splitlines()[0]
+    # Refused before any work: the CLI in this process.
+    code = run(["flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", "-", "--resume"])
+    assert code == 2 and "--resume" in capsys.readouterr().err.splitlines()[0]
 
 
 def _write_trace(root: Path) -> None:

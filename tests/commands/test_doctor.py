@@ -1,12 +1,28 @@
-"""`lingctl doctor` against a real S3 server: the report, the probe, and the documented exit codes."""
+"""`lingctl doctor` against a real S3 server: the report, the probe, and the documented exit codes. One test runs
+it as a subprocess; the others run the CLI in this process, where torch is already loaded."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from lingctl.cli import run as cli_run
 from lingctl.core.net import free_port
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI in this process: exit code, stdout and stderr."""
+    code = cli_run(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def without_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith(("AWS_ACCESS", "AWS_SECRET")):
+            monkeypatch.delenv(key)
 
 
 def one_line_error(stderr: str) -> str:
@@ -29,49 +45,49 @@ def test_report_json(lingctl, tmp_path) -> None:
     assert checks["s3"]["status"] == "skip"  # nothing configured in the test environment
 
 
-def test_human_report(lingctl) -> None:
-    r = lingctl("doctor")
-    assert r.returncode == 0, r.stderr
-    assert "torch" in r.stdout and "rclone" in r.stdout
+def test_human_report(capsys) -> None:
+    code, out, err = cli(capsys, "doctor")
+    assert code == 0, err
+    assert "torch" in out and "rclone" in out
 
 
 @pytest.mark.slow
-def test_probe_round_trip_through_s3(lingctl, s3_env, s3_bucket, s3_server) -> None:
-    r = lingctl("doctor", "--json", "--probe", f"s3://{s3_bucket}/probe", "--probe-size", "2MiB", env=s3_env)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
+def test_probe_round_trip_through_s3(capsys, s3_env, s3_bucket, s3_server) -> None:
+    code, out, err = cli(capsys, "doctor", "--json", "--probe", f"s3://{s3_bucket}/probe", "--probe-size", "2MiB")
+    assert code == 0, err
+    report = json.loads(out)
     assert report["probe"]["verified"] is True
     assert [s["step"] for s in report["probe"]["steps"]] == ["put", "list", "get", "verify", "download", "delete"]
     assert {c["name"]: c["status"] for c in report["checks"]}["s3"] == "ok"
     assert list((s3_server.root / s3_bucket).rglob("*.bin")) == []  # the probe object was removed
 
 
-def test_probe_round_trip_local(lingctl, tmp_path) -> None:
-    r = lingctl("doctor", "--json", "--probe", str(tmp_path / "store"), "--probe-size", "100KiB")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["probe"]["size"] == 100 * 1024
+def test_probe_round_trip_local(capsys, tmp_path) -> None:
+    code, out, err = cli(capsys, "doctor", "--json", "--probe", str(tmp_path / "store"), "--probe-size", "100KiB")
+    assert code == 0, err
+    assert json.loads(out)["probe"]["size"] == 100 * 1024
     assert list((tmp_path / "store").iterdir()) == []
 
 
-def test_missing_bucket_exits_3(lingctl, s3_env) -> None:
-    r = lingctl("doctor", "--probe", "s3://no-such-bucket/x", env=s3_env)
-    assert r.returncode == 3
-    assert "no-such-bucket" in one_line_error(r.stderr)
+def test_missing_bucket_exits_3(capsys, s3_env) -> None:
+    code, _, err = cli(capsys, "doctor", "--probe", "s3://no-such-bucket/x")
+    assert code == 3
+    assert "no-such-bucket" in one_line_error(err)
 
 
-def test_wrong_credentials_exit_1_without_the_secret(lingctl, s3_env, s3_bucket) -> None:
-    env = {**s3_env, "AWS_SECRET_ACCESS_KEY": "definitely-wrong-secret"}
-    r = lingctl("doctor", "--json", "--probe", f"s3://{s3_bucket}", env=env)
-    assert r.returncode == 1
-    assert "credentials" in one_line_error(r.stderr)
-    assert "definitely-wrong-secret" not in r.stderr + r.stdout
-    assert json.loads(r.stdout)["ok"] is False  # the report still comes, on stdout
+def test_wrong_credentials_exit_1_without_the_secret(capsys, monkeypatch, s3_env, s3_bucket) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "definitely-wrong-secret")
+    code, out, err = cli(capsys, "doctor", "--json", "--probe", f"s3://{s3_bucket}")
+    assert code == 1
+    assert "credentials" in one_line_error(err)
+    assert "definitely-wrong-secret" not in err + out
+    assert json.loads(out)["ok"] is False  # the report still comes, on stdout
 
 
-def test_unreachable_endpoint_exits_5(lingctl, s3_env) -> None:
-    r = lingctl("doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "2", env=s3_env)
-    assert r.returncode == 5
-    assert "could not reach S3 endpoint" in one_line_error(r.stderr)
+def test_unreachable_endpoint_exits_5(capsys, s3_env) -> None:
+    code, _, err = cli(capsys, "doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "2")
+    assert code == 5
+    assert "could not reach S3 endpoint" in one_line_error(err)
 
 
 @pytest.mark.parametrize(
@@ -85,37 +101,38 @@ def test_unreachable_endpoint_exits_5(lingctl, s3_env) -> None:
         ["--retries", "0"],
     ],
 )
-def test_bad_input_exits_2(lingctl, s3_env, args) -> None:
-    r = lingctl("doctor", *args, env=s3_env)
-    assert r.returncode == 2
-    one_line_error(r.stderr)
+def test_bad_input_exits_2(capsys, s3_env, args) -> None:
+    code, _, err = cli(capsys, "doctor", *args)
+    assert code == 2
+    one_line_error(err)
 
 
-def test_unreachable_endpoint_without_credentials_still_exits_5(lingctl, s3_env) -> None:
-    env = {k: v for k, v in s3_env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
-    r = lingctl("doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "1", env=env)
-    assert r.returncode == 5
-    one_line_error(r.stderr)
+def test_unreachable_endpoint_without_credentials_still_exits_5(capsys, monkeypatch, s3_env) -> None:
+    without_credentials(monkeypatch)
+    code, _, err = cli(capsys, "doctor", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--retries", "1")
+    assert code == 5
+    one_line_error(err)
 
 
-def test_endpoint_without_credentials_exits_1(lingctl, s3_env) -> None:
-    env = {k: v for k, v in s3_env.items() if not k.startswith("AWS_ACCESS") and not k.startswith("AWS_SECRET")}
-    r = lingctl("doctor", env=env)
-    assert r.returncode == 1
-    assert "no S3 credentials" in one_line_error(r.stderr)
+def test_endpoint_without_credentials_exits_1(capsys, monkeypatch, s3_env) -> None:
+    without_credentials(monkeypatch)
+    code, _, err = cli(capsys, "doctor")
+    assert code == 1
+    assert "no S3 credentials" in one_line_error(err)
 
 
-def test_probe_below_a_file_is_a_one_line_error(lingctl, tmp_path) -> None:
+def test_probe_below_a_file_is_a_one_line_error(capsys, tmp_path) -> None:
     (tmp_path / "file.txt").write_text("keep me")
-    r = lingctl("doctor", "--probe", str(tmp_path / "file.txt" / "store"))
-    assert r.returncode == 2
-    assert "not a directory" in one_line_error(r.stderr)
+    code, _, err = cli(capsys, "doctor", "--probe", str(tmp_path / "file.txt" / "store"))
+    assert code == 2
+    assert "not a directory" in one_line_error(err)
     assert (tmp_path / "file.txt").read_text() == "keep me"
 
 
-def test_endpoint_password_is_not_in_the_report_or_the_error(lingctl, s3_env, s3_server, s3_bucket) -> None:
+def test_endpoint_password_is_not_in_the_report_or_the_error(capsys, s3_env, s3_server, s3_bucket) -> None:
     with_password = s3_server.endpoint.replace("http://", "http://admin:hunter2@")
-    r = lingctl(
+    code, out, err = cli(
+        capsys,
         "doctor",
         "--json",
         "--endpoint-url",
@@ -124,11 +141,10 @@ def test_endpoint_password_is_not_in_the_report_or_the_error(lingctl, s3_env, s3
         f"s3://{s3_bucket}/p",
         "--probe-size",
         "4KiB",
-        env=s3_env,
     )
-    assert r.returncode == 0, r.stderr
-    assert "hunter2" not in r.stdout + r.stderr and "admin" not in r.stdout
-    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert code == 0, err
+    assert "hunter2" not in out + err and "admin" not in out
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
     assert checks["s3"]["data"]["endpoint"] == s3_server.endpoint  # the password is dropped, the server found
     assert checks["probe"]["status"] == "ok"
 

@@ -1,5 +1,6 @@
 """`lingctl flood run` as a real subprocess: output format and order, errors file, resume after SIGKILL,
-SIGTERM, text and chat prompts, dry runs, bad input."""
+SIGTERM, text and chat prompts. Dry runs, bad input and the resume checks of settings, which load no weights,
+fail before answering anything or answer two tokens, run the CLI in this process."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lingctl.cli import run as cli_run
 from lingctl.model.presets import preset
 
 
@@ -23,6 +25,13 @@ def write_batch(path: Path, lines: list) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI in this process: exit code, stdout and stderr."""
+    code = cli_run(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def greedy(cid: str, ids: list[int], n: int) -> dict:
@@ -189,17 +198,21 @@ def test_sigterm_stops_cleanly_and_resume_finishes(lingctl, tiny_ckpt, tmp_path)
     assert sorted(r["custom_id"] for r in read_jsonl(out)) == sorted(f"r{i:02d}" for i in range(12))
 
 
-def test_resume_refuses_another_model(lingctl, tiny_ckpt, text_ckpt, tmp_path):
+def test_resume_refuses_another_model(capsys, tiny_ckpt, text_ckpt, tmp_path):
     batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5, 6], 2)])
-    assert lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt)).returncode == 0
-    again = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt))
-    assert again.returncode == 2 and "--resume" in again.stderr
-    other = lingctl("flood", "run", str(batch), "--model", str(text_ckpt), "--resume")
-    assert other.returncode == 2 and "model_fingerprint" in other.stderr
-    assert "Traceback" not in other.stderr
+    # A finished run to resume (two tokens: in this process, like the refusals below).
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(tiny_ckpt))
+    assert code == 0, err
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(tiny_ckpt))
+    assert code == 2 and "--resume" in err
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(text_ckpt), "--resume")
+    assert code == 2 and "model_fingerprint" in err
+    assert "Traceback" not in err
     # settings that do not change answers may change on resume
-    same = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "--resume", "--max-batch-tokens", "64")
-    assert same.returncode == 0, same.stderr
+    code, _, err = cli(
+        capsys, "flood", "run", str(batch), "--model", str(tiny_ckpt), "--resume", "--max-batch-tokens", "64"
+    )
+    assert code == 0, err
 
 
 def test_text_chat_and_stop_strings(lingctl, text_ckpt, tmp_path):
@@ -258,7 +271,7 @@ def test_chat_without_a_template_is_a_per_request_error(lingctl, text_ckpt, tmp_
 
 
 @pytest.mark.parametrize("case", ["missing", "file", "no_config", "bad_config", "bad_weights"])
-def test_bad_model_directory_is_one_line(lingctl, tiny_ckpt, tmp_path, case):
+def test_bad_model_directory_is_one_line(capsys, tiny_ckpt, tmp_path, case):
     batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5], 2)])
     model = tmp_path / "m"
     if case == "file":
@@ -270,23 +283,23 @@ def test_bad_model_directory_is_one_line(lingctl, tiny_ckpt, tmp_path, case):
         elif case == "bad_weights":
             (model / "config.json").write_bytes((tiny_ckpt / "config.json").read_bytes())
             (model / "model.safetensors").write_bytes(b"\x00" * 5)
-    res = lingctl("flood", "run", str(batch), "--model", str(model))
-    assert res.returncode in (1, 2, 3)
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(model))
+    assert code in (1, 2, 3)
     if case in ("missing", "no_config"):
-        assert res.returncode == 3
-    assert "Traceback" not in res.stderr
-    assert res.stderr.startswith("lingctl: error: ") and len(res.stderr.strip().splitlines()) <= 2
+        assert code == 3
+    assert "Traceback" not in err
+    assert err.startswith("lingctl: error: ") and len(err.strip().splitlines()) <= 2
     assert not (tmp_path / "b.output.jsonl").exists() or case == "bad_weights"
 
 
-def test_missing_batch_file_and_bad_options(lingctl, tiny_ckpt, tmp_path):
-    res = lingctl("flood", "run", str(tmp_path / "nope.jsonl"), "--model", str(tiny_ckpt))
-    assert res.returncode == 3 and "Traceback" not in res.stderr
+def test_missing_batch_file_and_bad_options(capsys, tiny_ckpt, tmp_path):
+    code, _, err = cli(capsys, "flood", "run", str(tmp_path / "nope.jsonl"), "--model", str(tiny_ckpt))
+    assert code == 3 and "Traceback" not in err
     batch = write_batch(tmp_path / "b.jsonl", [greedy("a", [5], 2)])
     for args in (["--stages", "0"], ["--quantize", "int4"], ["--dtype", "float64"], ["--max-batch-tokens", "2"]):
-        res = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), *args)
-        assert res.returncode == 2, (args, res.stderr)
-        assert "Traceback" not in res.stderr
+        code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(tiny_ckpt), *args)
+        assert code == 2, (args, err)
+        assert "Traceback" not in err
 
 
 def _config_only(path: Path, name: str) -> Path:
@@ -296,12 +309,13 @@ def _config_only(path: Path, name: str) -> Path:
     return path
 
 
-def test_dry_run_plans_ling_lite_from_its_config_alone(lingctl, tmp_path):
+def test_dry_run_plans_ling_lite_from_its_config_alone(capsys, tmp_path):
     model = _config_only(tmp_path / "ling-lite", "ling-lite")
     batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5] * 100, 200) for i in range(8)])
-    bf16 = lingctl("flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--dry-run")
-    assert bf16.returncode == 1 and "quantize int8" in bf16.stderr and "Traceback" not in bf16.stderr
-    int8 = lingctl(
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(model), "--dtype", "bfloat16", "--dry-run")
+    assert code == 1 and "quantize int8" in err and "Traceback" not in err
+    code, out, err = cli(
+        capsys,
         "flood",
         "run",
         str(batch),
@@ -314,13 +328,14 @@ def test_dry_run_plans_ling_lite_from_its_config_alone(lingctl, tmp_path):
         "--dry-run",
         "--json",
     )
-    assert int8.returncode == 0, int8.stderr
-    plan = json.loads(int8.stdout)["plan"]
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
     assert 16.5e9 < plan["params"] < 17.1e9
     assert plan["weights_bytes"] < 18e9
     assert plan["kv_tokens"] >= 8 * 300 - 7 * 96  # the batch fits (the shared 96-token prefix counted once)
     assert not (tmp_path / "b.output.jsonl").exists()  # a dry run writes nothing
-    huge = lingctl(
+    code, _, err = cli(
+        capsys,
         "flood",
         "run",
         str(batch),
@@ -332,7 +347,7 @@ def test_dry_run_plans_ling_lite_from_its_config_alone(lingctl, tmp_path):
         "--kv-cache-tokens",
         "100000000",
     )
-    assert huge.returncode == 1 and "--kv-cache-tokens" in huge.stderr
+    assert code == 1 and "--kv-cache-tokens" in err
 
 
 def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
@@ -355,7 +370,7 @@ def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
     assert _token_ids(tmp_path / "one.jsonl") == _token_ids(tmp_path / "two.jsonl")
 
 
-def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(lingctl, text_ckpt, tmp_path):
+def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(capsys, lingctl, text_ckpt, tmp_path):
     """A lone surrogate (valid JSON "\\ud800") in a prompt or a custom_id, and a temperature or top_p too small
     to compute with, each get their error line; the other requests are answered, the exit code is 0 (failures
     one by one are counted, not fatal), and --resume over those files continues."""
@@ -402,7 +417,8 @@ def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(ling
     assert [r["custom_id"] for r in read_jsonl(out_path)][-1] == "late"
 
     # A template file that is not there is one line (a different template on resume: tests/flood/test_run.py).
-    missing = lingctl(
+    code, _, err = cli(
+        capsys,
         "flood",
         "run",
         str(batch),
@@ -413,6 +429,6 @@ def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(ling
         "--chat-template",
         str(tmp_path / "nonexist"),
     )
-    assert missing.returncode == 3 and "nonexist: no such file or directory" in missing.stderr
-    assert "Traceback" not in missing.stderr and missing.stderr.startswith("lingctl: error: ")
-    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "n.jsonl").exists()
+    assert code == 3 and "nonexist: no such file or directory" in err
+    assert "Traceback" not in err and err.startswith("lingctl: error: ")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "n.jsonl").exists()

@@ -1,4 +1,5 @@
-"""``--model ORG/NAME`` through real ``lingctl`` processes, from a Hugging Face cache on disk, offline."""
+"""``--model ORG/NAME`` through real ``lingctl`` processes, from a Hugging Face cache on disk, offline (an id that
+is not cached fails before any work, so that case runs the CLI in this process)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lingctl.cli import run as cli_run
 from lingctl.core.errors import EXIT_NOT_FOUND, NotFoundError
 from lingctl.flood.batch_output import manifest_path
 from lingctl.model.safetensors_io import read_header
@@ -46,7 +48,9 @@ def test_flood_run_serves_a_cached_hub_id_offline(lingctl, hub_env, tmp_path):
     assert Path(manifest["model"]).resolve() == snapshot.resolve()  # the snapshot was read, fingerprinted
 
 
-def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(lingctl, hub_env, tiny_ckpt, tmp_path):
+def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(
+    capsys, monkeypatch, lingctl, hub_env, tiny_ckpt, tmp_path
+):
     env, _ = hub_env
     res = lingctl(
         "pcache",
@@ -68,15 +72,18 @@ def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(lingctl, hub_
     assert model["tensors"] == len([name for name in header if name != "__metadata__"])
     assert model["layers"] == 2
 
-    res = lingctl(
-        "pcache", "plan", "--nodes", "1", "--ranks-per-node", "2", "--model", "org/not-cached@v2", env=env, cwd=tmp_path
-    )
-    assert res.returncode == EXIT_NOT_FOUND and res.stdout == ""
-    assert "Traceback" not in res.stderr, res.stderr
-    lines = res.stderr.splitlines()
+    for var in ("HF_HOME", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, env[var])
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code = cli_run(["pcache", "plan", "--nodes", "1", "--ranks-per-node", "2", "--model", "org/not-cached@v2"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_NOT_FOUND and out == ""
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
     errors = [line for line in lines if line.startswith("lingctl: error:")]
-    assert len(errors) == 1 and "org/not-cached@v2" in errors[0], res.stderr
-    assert all(line.startswith("hint:") for line in lines if line not in errors), res.stderr
+    assert len(errors) == 1 and "org/not-cached@v2" in errors[0], err
+    assert all(line.startswith("hint:") for line in lines if line not in errors), err
 
 
 def test_flood_run_of_a_missing_id_writes_nothing(hub_env, tmp_path, monkeypatch):

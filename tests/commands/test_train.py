@@ -1,17 +1,21 @@
-"""`lingctl train` as a real subprocess: training, errors, kill-and-resume, SIGTERM, an S3 run directory."""
+"""`lingctl train` as a real subprocess: training, kill-and-resume, SIGTERM, an S3 run directory; errors raised
+before any training (and one `pcache status`) run the CLI in this process."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from lingctl.cli import run as cli_run
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import make_client
 from lingctl.model.checkpoint import load_checkpoint
@@ -32,11 +36,31 @@ def step_losses(path: Path) -> list[tuple[int, float]]:
     return out
 
 
-def test_tiny_preset_20_steps_lowers_the_loss_and_saves_a_loadable_checkpoint(lingctl, tmp_path, text_corpus):
-    run = tmp_path / "run"
-    res = lingctl(*TINY, "--steps", "20", "--data", str(text_corpus), "--out", str(run), "--json")
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI in this process (errors raised before any training, and reading a status): exit code, stdout and
+    stderr."""
+    code = cli_run(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# One uninterrupted 20-step run, read (never written) by the tests below: it is the reference for kill-and-resume.
+RUN20 = (*TINY, "--steps", "20", "--save-every", "4", "--json")
+
+
+@pytest.fixture(scope="module")
+def run20(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> tuple[Path, str]:
+    from tests.conftest import run_lingctl
+
+    run = tmp_path_factory.mktemp("run20") / "run"
+    res = run_lingctl(*RUN20, "--data", str(text_corpus), "--out", str(run))
     assert res.returncode == 0, res.stderr
-    recs = records(res.stdout)
+    return run, res.stdout
+
+
+def test_tiny_preset_20_steps_lowers_the_loss_and_saves_a_loadable_checkpoint(run20):
+    run, stdout = run20
+    recs = records(stdout)
     losses = [r["loss"] for r in recs if r["event"] == "step"]
     assert len(losses) == 20
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
@@ -52,19 +76,19 @@ def test_tiny_preset_20_steps_lowers_the_loss_and_saves_a_loadable_checkpoint(li
     assert (run / "tokenizer.json").exists() and (ckpt / "tokenizer.json").exists()
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_loss_sequence(lingctl, tmp_path, text_corpus):
-    common = (*TINY, "--steps", "16", "--save-every", "4", "--data", str(text_corpus), "--json")
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert lingctl(*common, "--out", str(a)).returncode == 0
-    killed = lingctl(*common, "--out", str(b), "--set", "crash_at_step=10")
+def test_kill_and_resume_reproduces_the_uninterrupted_loss_sequence(lingctl, tmp_path, text_corpus, run20):
+    a = run20[0]  # the same settings, never interrupted
+    common = (*RUN20, "--data", str(text_corpus))
+    b = tmp_path / "b"
+    killed = lingctl(*common, "--out", str(b), "--set", "crash_at_step=14")
     assert killed.returncode == -signal.SIGKILL
-    assert json.loads((b / "latest.json").read_text())["step"] == 8
-    assert [s for s, _ in step_losses(b / "metrics.jsonl")] == list(range(1, 11))  # 9, 10 ran past the checkpoint
+    assert json.loads((b / "latest.json").read_text())["step"] == 12
+    assert [s for s, _ in step_losses(b / "metrics.jsonl")] == list(range(1, 15))  # 13, 14 ran past the checkpoint
     resumed = lingctl(*common, "--out", str(b), "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert records(resumed.stdout)[-1]["resumed_from"] == 8
+    assert records(resumed.stdout)[-1]["resumed_from"] == 12
     assert step_losses(b / "metrics.jsonl") == step_losses(a / "metrics.jsonl")
-    assert len(step_losses(a / "metrics.jsonl")) == 16
+    assert len(step_losses(a / "metrics.jsonl")) == 20
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_130(tmp_path, text_corpus):
@@ -106,32 +130,34 @@ def test_sigterm_finishes_the_step_saves_and_exits_130(tmp_path, text_corpus):
     assert (run / f"checkpoints/step-{saved:08d}" / "model.safetensors").exists()
 
 
-def test_an_existing_run_is_never_overwritten_and_resume_refuses_changed_settings(lingctl, tmp_path, text_corpus):
+def test_an_existing_run_is_never_overwritten_and_resume_refuses_changed_settings(
+    capsys, lingctl, tmp_path, text_corpus, small_run
+):
     run = tmp_path / "run"
-    assert lingctl(*TINY, "--steps", "2", "--data", str(text_corpus), "--out", str(run)).returncode == 0
+    shutil.copytree(small_run, run)  # a finished 2-step run
     before = (run / "metrics.jsonl").read_bytes()
-    again = lingctl(*TINY, "--steps", "2", "--data", str(text_corpus), "--out", str(run))
-    assert again.returncode == 2
-    assert again.stderr.startswith("lingctl: error:") and "--resume" in again.stderr and "Traceback" not in again.stderr
+    code, _, err = cli(capsys, *TINY, "--steps", "2", "--data", str(text_corpus), "--out", str(run))
+    assert code == 2
+    assert err.startswith("lingctl: error:") and "--resume" in err and "Traceback" not in err
     assert (run / "metrics.jsonl").read_bytes() == before
-    changed = lingctl(*TINY, "--seq-len", "32", "--out", str(run), "--resume")
-    assert changed.returncode == 2 and "seq_len" in changed.stderr
+    code, _, err = cli(capsys, *TINY, "--seq-len", "32", "--out", str(run), "--resume")
+    assert code == 2 and "seq_len" in err
     more = lingctl("train", "--out", str(run), "--resume", "--steps", "4", "--json")
     assert more.returncode == 0, more.stderr
     assert records(more.stdout)[-1]["steps"] == 4
 
 
-def test_bad_data_and_bad_preset_are_one_line_errors(lingctl, tmp_path):
-    missing = lingctl("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "r"))
-    assert missing.returncode == 3
-    assert missing.stderr.splitlines()[0] == f"lingctl: error: data path not found: {tmp_path / 'nope.txt'}"
-    assert "Traceback" not in missing.stderr
-    bad = lingctl("train", "--preset", "huge", "--out", str(tmp_path / "r2"))
-    assert bad.returncode == 2
-    assert bad.stderr.splitlines()[0] == "lingctl: error: unknown model preset 'huge'"
-    assert "tiny, small, ling-lite, ling-plus" in bad.stderr
-    setting = lingctl("train", "--preset", "tiny", "--set", "model.num_heads=3", "--out", str(tmp_path / "r3"))
-    assert setting.returncode == 2 and "num_heads" in setting.stderr
+def test_bad_data_and_bad_preset_are_one_line_errors(capsys, tmp_path):
+    code, _, err = cli(capsys, "train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "r"))
+    assert code == 3
+    assert err.splitlines()[0] == f"lingctl: error: data path not found: {tmp_path / 'nope.txt'}"
+    assert "Traceback" not in err
+    code, _, err = cli(capsys, "train", "--preset", "huge", "--out", str(tmp_path / "r2"))
+    assert code == 2
+    assert err.splitlines()[0] == "lingctl: error: unknown model preset 'huge'"
+    assert "tiny, small, ling-lite, ling-plus" in err
+    code, _, err = cli(capsys, "train", "--preset", "tiny", "--set", "model.num_heads=3", "--out", str(tmp_path / "r3"))
+    assert code == 2 and "num_heads" in err
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
 
 
@@ -155,7 +181,7 @@ def test_bfloat16_autocast_with_grouped_dispatch_trains(lingctl, tmp_path, text_
     assert len(losses) == 3 and all(5.0 < x < 9.0 for x in losses)
 
 
-def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, s3_bucket, s3_env):
+def test_run_directory_in_s3_trains_and_resumes(capsys, monkeypatch, lingctl, tmp_path, text_corpus, s3_bucket, s3_env):
     env = {**s3_env, "LINGCTL_CACHE_DIR": str(tmp_path / "cache")}
     url = f"s3://{s3_bucket}/runs/a"
     common = (*TINY, "--save-every", "4", "--data", str(text_corpus), "--out", url, "--json")
@@ -177,9 +203,10 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
         assert f"runs/a/{name}" in keys
     # The checkpoint was written to the flash tier first; the store's copy verifies against its marker.
     assert list((tmp_path / "flash").glob("*/checkpoints/step-00000008/state/pcache.json"))
-    status = lingctl("pcache", "status", str(next((tmp_path / "flash").iterdir())), "--json", env=env)
-    assert status.returncode == 0, status.stderr
-    states = {c["name"]: c["state"] for c in json.loads(status.stdout)["checkpoints"]}
+    monkeypatch.setenv("LINGCTL_CACHE_DIR", env["LINGCTL_CACHE_DIR"])  # where the upload recorded its progress
+    code, out, err = cli(capsys, "pcache", "status", str(next((tmp_path / "flash").iterdir())), "--json")
+    assert code == 0, err
+    states = {c["name"]: c["state"] for c in json.loads(out)["checkpoints"]}
     assert states["checkpoints/step-00000008/state"] == "durable", states
     latest = json.loads(client.get_object(Bucket=s3_bucket, Key="runs/a/latest.json")["Body"].read())
     assert latest == {"step": 8, "path": "checkpoints/step-00000008"}
@@ -199,6 +226,8 @@ def test_run_directory_in_s3_trains_and_resumes(lingctl, tmp_path, text_corpus, 
         "tokenizer.json",
         "checkpoints/step-00000008",
         "checkpoints/step-00000010",
+        "incidents.jsonl",  # listed as the run's before the watchdog would write it
+        "incidents",
     }
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="runs/a/")["Contents"]}
     assert not any(k.startswith("runs/a/checkpoints/step-00000004/") for k in keys)

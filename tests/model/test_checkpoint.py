@@ -189,26 +189,48 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 # --- memory -----------------------------------------------------------------------------------------------
 
-BUILD = """
-import sys, torch
-from lingctl.model.checkpoint import save_checkpoint
-from lingctl.model.config import LingConfig
-from lingctl.model.ling import LingForCausalLM
-config = LingConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=64, num_experts=16, num_shared_experts=1,
-                    num_experts_per_tok=2, moe_intermediate_size=192, pad_token_id=0, eos_token_id=0)
-with torch.device("meta"):
-    model = LingForCausalLM(config)
-model.to_empty(device="cpu")
-with torch.no_grad():
-    for p in model.parameters():
-        p.fill_(0.01)  # any finite values: random init of 30M parameters would only cost time
-save_checkpoint(model, sys.argv[1] + "/big")
-small = LingForCausalLM(LingConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1,
-                                   moe_intermediate_size=8, pad_token_id=0, eos_token_id=0))
-save_checkpoint(small, sys.argv[1] + "/small")
-"""
+
+def build_big_and_small(root: Path) -> None:
+    """Built in this process: only the measuring process must be fresh."""
+    config = LingConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        pad_token_id=0,
+        eos_token_id=0,
+    )
+    with torch.device("meta"):
+        model = LingForCausalLM(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.01)  # any finite values: random init of 30M parameters would only cost time
+    save_checkpoint(model, root / "big")
+    del model
+    small = LingForCausalLM(
+        LingConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=8,
+            pad_token_id=0,
+            eos_token_id=0,
+        )
+    )
+    save_checkpoint(small, root / "small")
+
 
 MEASURE = """
 import gc, json, sys
@@ -231,7 +253,7 @@ print(json.dumps({"before": before, "loaded": loaded, "touched": touched, "total
 
 @pytest.mark.slow
 def test_load_maps_weights_instead_of_copying(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-c", textwrap.dedent(BUILD), str(tmp_path)], check=True, timeout=120)
+    build_big_and_small(tmp_path)
     size = (tmp_path / "big" / "model.safetensors").stat().st_size
     assert size > 100e6
     # A fresh process, so nothing of the build is in its memory.
