@@ -352,6 +352,10 @@ class Job:
         if run is None or not run.is_dir():  # the run never got a directory: nothing to write into
             log.warning("incident not recorded (no run directory): %s", incident.to_record())
             return
+        # The step records the restart took out of metrics.jsonl (rank 0 of the next attempt keeps them there).
+        kept = sorted((run / incidents.INCIDENT_DIR).glob(f"attempt-{incident.attempt}-abandoned*.jsonl"))
+        if kept and incident.action == "restart":
+            incident.details["abandoned_records"] = f"{incidents.INCIDENT_DIR}/{kept[-1].name}"
         incidents.append(run, incident)
 
     def _write_verdict(self, attempt: int, v: HangVerdict) -> str | None:

@@ -256,13 +256,16 @@ class Trainer:
         # Metrics are written by rank 0; the other workers' records go nowhere (their figures reach rank 0
         # through the sync records).
         self.metrics_path = self.run.local / METRICS if self.workers.is_main else None
+        abandoned: list[Record] = []
         if latest is not None:
-            self._load_state(latest)
+            abandoned = self._load_state(latest)
         elif self.metrics_path is not None:
             self.metrics_path.write_text("")
         self.wrapped = self._wrap(self.model)
         if self.workers.is_main:
             self.run.claim_watchdog_files()
+            if abandoned and self.workers.restarts > 0:
+                self._keep_abandoned(abandoned)
             layers = [i for i, layer in enumerate(self.model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
             self._routing = RoutingHealth(c.watchdog_config, layers, self.model.config.num_experts)
             if self.workers.world > 1:
@@ -463,6 +466,22 @@ class Trainer:
                 self.run.publish([METRICS])
                 self._publish_incidents()
         return self._result(first_loss, last_loss, eval_loss, checkpoint, start, stopped)
+
+    def _keep_abandoned(self, records: list[Record]) -> None:
+        """A restarted attempt's metrics lose the steps taken after the checkpoint; they go beside the
+        incident the launcher records (``incidents/attempt-K-abandoned.jsonl``, K the attempt that ended)."""
+        folder = self.run.local / INCIDENT_DIR
+        folder.mkdir(exist_ok=True)
+        base = f"attempt-{self.workers.restarts - 1}-abandoned"
+        for n in range(1, 100):
+            path = folder / (f"{base}.jsonl" if n == 1 else f"{base}-{n}.jsonl")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                continue  # a resumed job counts its attempts from 0 again
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+            return
 
     def _publish_incidents(self) -> None:
         """To the store of an s3:// run: incidents.jsonl and the hang verdicts, which the launcher writes

@@ -80,6 +80,9 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_
     assert crash["details"]["signal"] == "SIGKILL" and crash["attempt"] == 0
     assert crash["restored_step"] == 4 and crash["lost_steps"] == 2
     assert crash["recovery_s"] is not None and 0 < crash["recovery_s"] < 240
+    # The steps done again are not duplicated in the history: their first records are kept beside the incident.
+    abandoned = (run / crash["details"]["abandoned_records"]).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in abandoned] == [5, 6]
 
 
 def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs_and_resumes(
