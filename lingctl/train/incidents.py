@@ -75,15 +75,7 @@ def append(run_local: Path, incident: Incident) -> dict[str, Any]:
 
 def read(run_local: Path) -> list[dict[str, Any]]:
     """The run's incident records, oldest first; a torn last line (a writer killed mid-write) is skipped."""
+    from lingctl.train.plot import read_metrics  # the same torn-line-tolerant JSONL reader
+
     path = Path(run_local) / INCIDENTS
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return read_metrics(path) if path.exists() else []

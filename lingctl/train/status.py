@@ -17,6 +17,7 @@ from lingctl.core.errors import NotFoundError
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
 from lingctl.train.incidents import read as read_incidents
 from lingctl.train.manifest import LATEST, METRICS, parse_latest
+from lingctl.train.plot import read_metrics
 
 THROUGHPUT_STEPS = 10  # "current throughput": the mean over this many last steps
 
@@ -39,16 +40,7 @@ class RunStatus:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of a running or killed run
-            if isinstance(record, dict):
-                out.append(record)
-    return out
+    return read_metrics(path) if path.exists() else []
 
 
 def run_status(run: Path, *, recent: int = 5) -> RunStatus:
