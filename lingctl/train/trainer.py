@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lingctl.core.atomic import atomic_write
@@ -648,15 +647,15 @@ class Trainer:
         self, inputs: torch.Tensor, targets: torch.Tensor, module: torch.nn.Module | None = None
     ) -> dict[str, Any]:
         c = self.config
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.dtype == "bfloat16"):
-            out = (module or self.wrapped)(inputs)
-            logits = out.logits.float()
-        lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        cfg = self.model.config
-        bal = losses.balance_loss(out.routes, cfg.num_experts)
-        z = losses.z_loss(out.routes)
-        loss = lm + c.moe.balance_coef * bal + c.moe.z_coef * z
-        return {"loss": loss, "lm_loss": lm, "balance_loss": bal, "z_loss": z, "routes": out.routes}
+        return losses.step_loss(
+            module or self.wrapped,
+            inputs,
+            targets,
+            num_experts=self.model.config.num_experts,
+            balance_coef=c.moe.balance_coef,
+            z_coef=c.moe.z_coef,
+            bf16=c.dtype == "bfloat16",
+        )
 
     def _attempt(self) -> Record | None:
         """One forward/backward; returns the step record when the update was applied, None when skipped."""
@@ -1052,6 +1051,7 @@ class Trainer:
             {
                 "event": "checkpoint",
                 "step": self.checkpoint_step(),
+                "tokens": self.tokens,
                 "path": f"{self.run.describe()}/{rel}",
                 "save_s": round(time.monotonic() - began, 3),
             }
