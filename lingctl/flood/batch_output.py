@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def default_paths(batch: Path, out: Path | None, errors: Path | None) -> tuple[P
     return out, errors
 
 
-class _Sink:
+class JsonlSink:
     """One append-only JSONL file."""
 
     def __init__(self, path: Path) -> None:
@@ -135,9 +136,9 @@ class BatchOutput:
             with atomic_write(self.manifest_path) as (_, f):
                 f.write(json.dumps(manifest, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
         # Both files exist from the start, so the user sees where the answers go.
-        self._out = _Sink(self.out)
+        self._out = JsonlSink(self.out)
         try:
-            self._errors = _Sink(self.errors)
+            self._errors = JsonlSink(self.errors)
         except BaseException:
             self._out.close()
             raise
@@ -188,40 +189,63 @@ class BatchOutput:
         self.close()
 
     def _check_manifest(self, manifest: dict[str, Any]) -> None:
-        try:
-            saved = json.loads(self.manifest_path.read_bytes())
-        except OSError as exc:
-            raise os_error(exc, str(self.manifest_path)) from exc
-        except ValueError as exc:
-            raise UsageError(f"{self.manifest_path} is not valid JSON: {exc}") from exc
-        if not isinstance(saved, dict):
-            raise UsageError(f"{self.manifest_path} is not a JSON object")
-        # Through JSON and back, so a tuple here equals the list that was saved.
-        wanted = json.loads(json.dumps(manifest))
-        keys = wanted.get("compare")
-        if keys is None:
-            keys = [k for k in {**wanted, **saved} if k not in _TIMESTAMP_KEYS]
-        for key in keys:
-            before, now = saved.get(key, _ABSENT), wanted.get(key, _ABSENT)
-            if before is _ABSENT and now is not _ABSENT:
-                # Written by an older lingctl that did not record it: nothing shows this run matches.
-                raise UsageError(
-                    f"{self.out} was written without {key} in its manifest, so this run cannot check that it matches",
-                    hint="choose another -o",
-                )
-            if before != now:
-                raise UsageError(
-                    f"{self.out} was written with {key}={_show(before)}, this run has {_show(now)}",
-                    hint=_KEY_HINTS.get(key, _MISMATCH_HINT),
-                )
+        check_manifest(self.manifest_path, manifest, self.out)
+
+
+def check_manifest(path: Path, manifest: dict[str, Any], out: Path) -> None:
+    """UsageError unless the manifest saved at ``path`` (of the output ``out``) matches ``manifest`` on its
+    ``compare`` keys (all keys but timestamps when it lists none)."""
+    try:
+        saved = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise os_error(exc, str(path)) from exc
+    except ValueError as exc:
+        raise UsageError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(saved, dict):
+        raise UsageError(f"{path} is not a JSON object")
+    # Through JSON and back, so a tuple here equals the list that was saved.
+    wanted = json.loads(json.dumps(manifest))
+    keys = wanted.get("compare")
+    if keys is None:
+        keys = [k for k in {**wanted, **saved} if k not in _TIMESTAMP_KEYS]
+    for key in keys:
+        before, now = saved.get(key, _ABSENT), wanted.get(key, _ABSENT)
+        if before is _ABSENT and now is not _ABSENT:
+            # Written by an older lingctl that did not record it: nothing shows this run matches.
+            raise UsageError(
+                f"{out} was written without {key} in its manifest, so this run cannot check that it matches",
+                hint="choose another -o",
+            )
+        if before != now:
+            raise UsageError(
+                f"{out} was written with {key}={_show(before)}, this run has {_show(now)}",
+                hint=_KEY_HINTS.get(key, _MISMATCH_HINT),
+            )
 
 
 def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
     """Add what ``path`` answers to ``state``; cut a torn last line (a crash mid-write)."""
+    state.torn_bytes += scan_jsonl(
+        path,
+        lambda record: _collect(record, state, errors_file=errors_file),
+        valid=lambda record: isinstance(record.get("custom_id", _ABSENT), (str, type(None))),
+        hint="fix or remove that line, then resume",
+    )
+
+
+def scan_jsonl(
+    path: Path,
+    on_record: Callable[[dict[str, Any]], None],
+    *,
+    valid: Callable[[dict[str, Any]], bool] = lambda record: True,
+    hint: str,
+) -> int:
+    """Pass every complete record of an append-only JSONL file to ``on_record``, and cut a torn last line (a
+    crash mid-write): the bytes cut. A bad line before the last is damage, not a crash: VerificationError."""
     try:
         f = open(path, "r+b")
     except FileNotFoundError:
-        return
+        return 0
     except OSError as exc:
         raise os_error(exc, str(path)) from exc
     with f:
@@ -231,16 +255,16 @@ def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
             if bad_line:
                 raise VerificationError(
                     f"{path}: line {bad_line} is not a complete JSON record, so the requests it answered are unknown",
-                    hint="fix or remove that line, then resume",
+                    hint=hint,
                 )
             end += len(raw)
             record = _record(raw)
-            if record is None:
+            if record is None or (record is not _BLANK and not valid(record)):
                 bad_line = number
                 continue
             good_end = end
             if record is not _BLANK:
-                _collect(record, state, errors_file=errors_file)
+                on_record(record)
         if end > good_end:
             try:
                 f.truncate(good_end)
@@ -248,7 +272,7 @@ def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
             except OSError as exc:
                 raise os_error(exc, str(path)) from exc
             log.warning("%s: cut %d bytes of a torn last line", path, end - good_end)
-            state.torn_bytes += end - good_end
+        return end - good_end
 
 
 def _record(raw: bytes) -> dict[str, Any] | None:
@@ -261,9 +285,7 @@ def _record(raw: bytes) -> dict[str, Any] | None:
         record = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("custom_id", _ABSENT), (str, type(None))):
-        return None
-    return record
+    return record if isinstance(record, dict) else None
 
 
 def _collect(record: dict[str, Any], state: ResumeState, *, errors_file: bool) -> None:

@@ -56,6 +56,9 @@ class GenRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     seed_key: str = ""  # what an unseeded request's generator is derived from (its custom_id)
+    # Scoring instead of generating: these tokens are appended one by one whatever the logits say, and the
+    # log-probability of each is recorded (an evaluation's answer options, as lm-evaluation-harness scores them).
+    forced_ids: list[int] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +71,17 @@ class GenResult:
     error: str | None = None
     internal: bool = False  # the error is a failure while running the request, not a problem with the request
     stop_text: str | None = None  # text up to (excluding) the stop string that ended it
+    logprobs: list[float] | None = None  # forced requests: natural-log probability of each forced token
+    greedy: bool | None = None  # forced requests: every forced token was the argmax of its logits
+
+
+@dataclass(slots=True)
+class _Forced:
+    """A forced request's per-sequence state (in place of a sampling generator)."""
+
+    ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    greedy: bool = True
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,6 +170,8 @@ class Engine:
 
     # -- admission checks ------------------------------------------------------------------------
     def _max_new(self, req: GenRequest) -> int:
+        if req.forced_ids is not None:
+            return len(req.forced_ids)
         room = self.max_positions - len(req.prompt_ids)
         want = req.sampling.max_tokens
         return room if want is None else min(want, room)
@@ -164,13 +180,24 @@ class Engine:
         n = len(req.prompt_ids)
         if n == 0:
             return "prompt is empty"
-        if n >= self.max_positions:
+        if n >= self.max_positions and req.forced_ids is None:
             return (
                 f"prompt has {n} tokens; the model's context is {self.max_positions} "
                 "(max_position_embeddings), leaving no room for output"
             )
         if any(t < 0 or t >= self.model_config.vocab_size for t in req.prompt_ids):
             return f"prompt has token ids outside the vocabulary [0, {self.model_config.vocab_size})"
+        if req.forced_ids is not None:
+            if not req.forced_ids:
+                return "nothing to score (no forced tokens)"
+            # The last forced token is scored but never fed back, so it needs no position of its own.
+            if n + len(req.forced_ids) - 1 > self.max_positions:
+                return (
+                    f"prompt ({n} tokens) and scored tokens ({len(req.forced_ids)}) exceed the model's context "
+                    f"of {self.max_positions}"
+                )
+            if any(t < 0 or t >= self.model_config.vocab_size for t in req.forced_ids):
+                return f"scored token ids outside the vocabulary [0, {self.model_config.vocab_size})"
         need = n + 1
         if need > self.config.kv_cache_tokens:
             return f"prompt needs {need} KV cache slots; the cache holds {self.config.kv_cache_tokens}"
@@ -183,14 +210,18 @@ class Engine:
         """Run every request; yield each result as soon as it is final (completion order)."""
         started = time.monotonic()
         accepted: list[GenRequest] = []
-        generators: list[torch.Generator] = []
+        generators: list[torch.Generator | _Forced] = []
         for req in requests:
             self.stats.requests += 1
             reason = self._reject(req)
             internal = False
             if reason is None:
                 try:
-                    generators.append(request_generator(req.sampling.seed, req.seed_key or str(req.key)))
+                    generators.append(
+                        _Forced(list(req.forced_ids))
+                        if req.forced_ids is not None
+                        else request_generator(req.sampling.seed, req.seed_key or str(req.key))
+                    )
                 except Exception as exc:
                     reason, internal = error_text(exc), True
             if reason is not None:
@@ -265,7 +296,7 @@ class Engine:
                         seq,
                         logits[row],  # noqa: B023
                         done,
-                        greedy_token=firsts[row] if seq.sampling.greedy else None,  # noqa: B023
+                        greedy_token=firsts[row] if seq.sampling.greedy or isinstance(seq.state, _Forced) else None,  # noqa: B023
                     ),
                 )
                 yield from done
@@ -287,7 +318,13 @@ class Engine:
     ) -> None:
         reason: str | None = None
         stop_text: str | None = None
+        forced = seq.state if isinstance(seq.state, _Forced) else None
         try:
+            if forced is not None:
+                self._score(seq, forced, logits_V, greedy_token)
+                if seq.generated >= len(forced.ids):
+                    self._finish(sched, seq, done, "length")
+                return
             token = greedy_token if greedy_token is not None else sample(logits_V, seq.sampling, seq.state)
             seq.tokens.append(token)
             self.stats.generated_tokens += 1
@@ -320,9 +357,24 @@ class Engine:
             reason = "length"
         if reason is None:
             return
+        self._finish(sched, seq, done, reason, stop_text=stop_text)
+
+    def _score(self, seq: Sequence, forced: _Forced, logits_V: torch.Tensor, argmax: int | None) -> None:
+        """Append the next forced token and record its log-probability under these logits."""
+        token = forced.ids[seq.generated]
+        # float64 for the normalisation: the sum over a large vocabulary loses least there.
+        forced.logprobs.append(float(torch.log_softmax(logits_V.double(), dim=-1)[token]))
+        forced.greedy = forced.greedy and argmax == token
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+
+    def _finish(
+        self, sched: Scheduler, seq: Sequence, done: list[GenResult], reason: str, *, stop_text: str | None = None
+    ) -> None:
         sched.release(seq)
         self.stats.finished += 1
-        req = seq.key
+        req: GenRequest = seq.key
+        forced = seq.state if isinstance(seq.state, _Forced) else None
         done.append(
             GenResult(
                 key=req.key,
@@ -331,6 +383,8 @@ class Engine:
                 prompt_tokens=seq.prompt_len,
                 cached_tokens=seq.shared_len,
                 stop_text=stop_text,
+                logprobs=None if forced is None else forced.logprobs,
+                greedy=None if forced is None else forced.greedy,
             )
         )
 
