@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from lingctl.commands import flood_eval
 from lingctl.commands.options import STDOUT, Dtype, JsonOpt
 from lingctl.core.errors import UsageError
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
@@ -29,6 +30,8 @@ app = typer.Typer(
 )
 
 _HUMAN_EVERY_S = 5.0
+
+app.command("eval")(flood_eval.eval_cmd)
 
 
 @app.command("run")

@@ -28,3 +28,18 @@ def small_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> Pa
     )
     assert res.returncode == 0, res.stderr
     return run
+
+
+# One uninterrupted 20-step run, read (never written) by the tests: the reference for kill-and-resume in
+# test_train.py, and a run with checkpoints (steps 16 and 20 kept) for flood eval's run mode.
+RUN20 = ("train", "--preset", "tiny", "--eval-every", "0", "--steps", "20", "--save-every", "4", "--json")
+
+
+@pytest.fixture(scope="session")
+def run20(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> tuple[Path, str]:
+    from tests.conftest import run_lingctl
+
+    run = tmp_path_factory.mktemp("run20") / "run"
+    res = run_lingctl(*RUN20, "--data", str(text_corpus), "--out", str(run))
+    assert res.returncode == 0, res.stderr
+    return run, res.stdout

@@ -19,6 +19,7 @@ from lingctl.cli import run as cli_run
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import make_client
 from lingctl.model.checkpoint import load_checkpoint
+from tests.commands.conftest import RUN20
 
 TINY = ("train", "--preset", "tiny", "--eval-every", "0")
 
@@ -42,20 +43,6 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = cli_run(list(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-# One uninterrupted 20-step run, read (never written) by the tests below: it is the reference for kill-and-resume.
-RUN20 = (*TINY, "--steps", "20", "--save-every", "4", "--json")
-
-
-@pytest.fixture(scope="module")
-def run20(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> tuple[Path, str]:
-    from tests.conftest import run_lingctl
-
-    run = tmp_path_factory.mktemp("run20") / "run"
-    res = run_lingctl(*RUN20, "--data", str(text_corpus), "--out", str(run))
-    assert res.returncode == 0, res.stderr
-    return run, res.stdout
 
 
 def test_tiny_preset_20_steps_lowers_the_loss_and_saves_a_loadable_checkpoint(run20):

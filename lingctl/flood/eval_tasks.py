@@ -1,0 +1,238 @@
+"""Evaluation task files: one JSON object per line, a task per file (its name is the file's stem).
+
+Two kinds of item, one kind per file::
+
+    {"id": "q1", "context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}
+    {"id": "g1", "prompt": "2+2=", "answer": "4", "stop": ["\\n"], "max_tokens": 8, "regex": "(\\\\d+)"}
+
+A multiple-choice item is scored by the log-likelihood of each choice's *content* given the context (report
+§5.1.2: perplexity-based evaluation of the option text, not of its label). A generation item is answered
+greedily until a stop string, EOS or ``max_tokens``; its answer is the whole stripped text, or the first group
+of ``regex`` (the item's own, else the file-wide ``--regex``), compared exactly with ``answer``.
+
+Few-shot prompts are built from the file itself: items marked ``"fewshot": true`` form the pool (and are not
+scored); without such items an item's shots are the first K other items of the file. The same shots precede
+many items, so the engine computes that block once (prefix sharing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.errors import UsageError, os_error
+from lingctl.core.names import printable
+
+CHOICE = "choice"
+GENERATE = "generate"
+FEWSHOT_DELIMITER = "\n\n"  # between shots, and between the last shot and the item (lm-evaluation-harness's)
+DEFAULT_MAX_TOKENS = 32
+MAX_ID_CHARS = 256
+_CHOICE_KEYS = {"id", "context", "choices", "answer", "fewshot"}
+_GENERATE_KEYS = {"id", "prompt", "answer", "stop", "max_tokens", "regex", "fewshot"}
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalItem:
+    task: str
+    id: str
+    kind: str  # CHOICE or GENERATE
+    line: int
+    context: str = ""  # choice items: what the choices continue
+    choices: list[str] = field(default_factory=list)
+    answer: int | str = 0  # choice: index into choices; generate: the expected text
+    prompt: str = ""  # generate items
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    regex: str | None = None
+    fewshot: bool = False
+
+    @property
+    def shot_text(self) -> str:
+        """This item as a solved example in another item's few-shot prompt."""
+        if self.kind == CHOICE:
+            assert isinstance(self.answer, int)
+            return self.context + self.choices[self.answer]
+        return self.prompt + str(self.answer)
+
+
+@dataclass(kw_only=True, slots=True)
+class Task:
+    name: str
+    kind: str
+    path: Path
+    sha256: str  # of the file's bytes: an output records which task file it answers
+    items: list[EvalItem]  # scored items, in file order
+    pool: list[EvalItem]  # few-shot examples ("fewshot": true), in file order
+
+    def shots(self, item: EvalItem, k: int) -> list[EvalItem]:
+        """The item's K examples: the pool's first K, or else the first K other scored items."""
+        source = self.pool if self.pool else [x for x in self.items if x is not item]
+        if k > len(source):
+            raise UsageError(
+                f"{self.path}: --num-fewshot {k} needs {k} examples; the file has {len(source)} "
+                + ("marked fewshot" if self.pool else "other items")
+            )
+        return source[:k]
+
+    def text_before(self, item: EvalItem, k: int) -> str:
+        """The few-shot block that precedes the item's own context or prompt ('' with k = 0)."""
+        if k == 0:
+            return ""
+        return "".join(s.shot_text + FEWSHOT_DELIMITER for s in self.shots(item, k))
+
+
+def read_tasks(paths: list[Path], *, regex: str | None = None) -> list[Task]:
+    """Every task file, validated whole before anything runs: a bad line is a usage error naming it."""
+    if not paths:
+        raise UsageError("no task file given")
+    if regex is not None:
+        _compile(regex, "--regex")
+    tasks: list[Task] = []
+    seen: dict[str, Path] = {}
+    for path in paths:
+        task = _read_task(Path(path), regex)
+        if task.name in seen:
+            raise UsageError(
+                f"two task files are both named {task.name!r}: {seen[task.name]} and {path}",
+                hint="a task is named by its file's stem; rename one",
+            )
+        seen[task.name] = task.path
+        tasks.append(task)
+    return tasks
+
+
+def _read_task(path: Path, regex: str | None) -> Task:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, str(path)) from None
+    name = path.name.removesuffix(".jsonl").removesuffix(".json")
+    items: list[EvalItem] = []
+    ids: dict[str, int] = {}
+    kind: str | None = None
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{where}: not a JSON object ({exc})") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: not a JSON object")
+        item = _item(obj, name, number, where, regex)
+        if kind is None:
+            kind = item.kind
+        elif item.kind != kind:
+            raise UsageError(
+                f"{where}: a {item.kind} item in a file of {kind} items",
+                hint="put multiple-choice and generation items in separate task files",
+            )
+        if item.id in ids:
+            raise UsageError(f"{where}: id {printable(item.id)} was already used on line {ids[item.id]}")
+        ids[item.id] = number
+        items.append(item)
+    scored = [i for i in items if not i.fewshot]
+    if not scored:
+        raise UsageError(f"{path}: no items to score")
+    assert kind is not None
+    return Task(
+        name=name,
+        kind=kind,
+        path=path,
+        sha256=hashlib.sha256(data).hexdigest(),
+        items=scored,
+        pool=[i for i in items if i.fewshot],
+    )
+
+
+def _item(obj: dict[str, Any], task: str, line: int, where: str, default_regex: str | None) -> EvalItem:
+    item_id = obj.get("id")
+    if not isinstance(item_id, str) or not item_id or len(item_id) > MAX_ID_CHARS:
+        raise UsageError(f"{where}: 'id' must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    fewshot = obj.get("fewshot", False)
+    if not isinstance(fewshot, bool):
+        raise UsageError(f"{where}: 'fewshot' must be true or false")
+    if "choices" in obj:
+        _only(obj, _CHOICE_KEYS, where)
+        context, choices, answer = obj.get("context"), obj["choices"], obj.get("answer")
+        if not isinstance(context, str):
+            raise UsageError(f"{where}: 'context' must be a string")
+        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            raise UsageError(f"{where}: 'choices' must be a list of at least two non-empty strings")
+        if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
+            raise UsageError(f"{where}: 'answer' must be the index of the right choice (0..{len(choices) - 1})")
+        return EvalItem(
+            task=task,
+            id=item_id,
+            kind=CHOICE,
+            line=line,
+            context=context,
+            choices=choices,
+            answer=answer,
+            fewshot=fewshot,
+        )
+    if "prompt" in obj:
+        _only(obj, _GENERATE_KEYS, where)
+        prompt, answer = obj["prompt"], obj.get("answer")
+        stop = obj.get("stop", [])
+        max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
+        regex = obj.get("regex", default_regex)
+        if not isinstance(prompt, str) or not prompt:
+            raise UsageError(f"{where}: 'prompt' must be a non-empty string")
+        if not isinstance(answer, str):
+            raise UsageError(f"{where}: 'answer' must be a string (the expected text)")
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
+            raise UsageError(f"{where}: 'stop' must be a list of at most 8 non-empty strings")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise UsageError(f"{where}: 'max_tokens' must be a positive integer")
+        if regex is not None:
+            if not isinstance(regex, str):
+                raise UsageError(f"{where}: 'regex' must be a string")
+            _compile(regex, where)
+        return EvalItem(
+            task=task,
+            id=item_id,
+            kind=GENERATE,
+            line=line,
+            prompt=prompt,
+            answer=answer,
+            stop=stop,
+            max_tokens=max_tokens,
+            regex=regex,
+            fewshot=fewshot,
+        )
+    raise UsageError(
+        f"{where}: neither a multiple-choice item (context, choices, answer) nor a generation item (prompt, answer)"
+    )
+
+
+def _only(obj: dict[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise UsageError(f"{where}: unknown field {printable(extra[0])} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _compile(pattern: str, where: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"{where}: regex {pattern!r} does not compile: {exc}") from None
+
+
+def extract_answer(text: str, regex: str | None) -> str:
+    """What a generation answered: the first group of the regex's first match (the whole match when it has no
+    group; '' when nothing matches), or the whole text; stripped either way."""
+    if regex is None:
+        return text.strip()
+    match = re.search(regex, text)
+    if match is None:
+        return ""
+    return (match.group(1) if match.re.groups else match.group(0) or "").strip()
