@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from lingctl.commands import train_status
+from lingctl.commands import train_align, train_status
 from lingctl.commands.options import (
     DURATION_FORMS,
     EndpointOpt,
@@ -382,6 +382,7 @@ def plot(
 
 
 app.command("status")(train_status.status)
+app.command("align")(train_align.align)
 
 
 def _check_plot_is_ours(run: Path, name: str) -> None:
