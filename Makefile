@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check lingctl tests bench scripts
 	$(VENV)/bin/mypy
 
-# The peers that bench/ measures against (transformers for flood); not needed to run or test lingctl.
+# The peers that bench/ measures against (transformers for flood, lm-evaluation-harness for flood eval); not needed to run or test lingctl.
 bench-deps: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
 
