@@ -14,7 +14,10 @@
 5. `lingctl flood`: 48 completion requests (OpenAI batch format, a shared instruction prefix, outputs of
    8-64 tokens) and 2 chat requests (through the checkpoint's Ling chat template) answered by that
    checkpoint, a few answers shown.
-6. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
+6. `lingctl flood eval`: both checkpoints of the run scored on two small tasks made from standard-library
+   code (which line comes next, multiple choice; how a line ends, generation): a table and a PNG of each
+   task's accuracy against training tokens.
+7. `lingctl timer`: a short `tiny` training run traced with `timer run`, then `timer diagnose` (its
    verdict) and `timer export` (a Perfetto timeline).
 """
 
@@ -22,9 +25,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -43,7 +48,9 @@ def main() -> None:
     lingctl("doctor")
 
     run = Path("runs/demo-small")
-    shutil.rmtree(run, ignore_errors=True)  # the demo's own run directory; nothing else is touched
+    # The demo's own directories; nothing else is touched.
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(run.with_name(run.name + ".eval"), ignore_errors=True)
     lingctl(
         "train",
         "--preset",
@@ -84,6 +91,7 @@ def main() -> None:
             pcache(checkpoint, run, env)
     print("\nthe S3 server is stopped and its files removed.")
     flood(checkpoint, run)
+    evaluate(run)
     timer()
     print("\ndemo finished.")
 
@@ -209,6 +217,36 @@ def flood(checkpoint: Path, run: Path) -> None:
     for cid in ("req-00", "req-01", "req-02"):
         print(f"{cid}: {starts[int(cid[-2:]) % len(starts)]!r} -> {answers[cid]!r}")
     print(f"chat-0: 'Write a function that reverses a list.' -> {answers['chat-0']!r}")
+
+
+def evaluate(run: Path) -> None:
+    """Every checkpoint of the run on two small tasks made from a standard-library module's lines."""
+    source = Path(sysconfig.get_paths()["stdlib"]) / "email" / "_header_value_parser.py"
+    lines = [ln for ln in source.read_text().splitlines() if 12 <= len(ln.strip()) <= 60]
+    rng = random.Random(0)
+    tasks = run.with_name(run.name + ".eval-tasks")
+    tasks.mkdir(exist_ok=True)
+    with open(tasks / "next_line.jsonl", "w") as f:
+        for i in rng.sample(range(3, len(lines)), 60):
+            others = rng.sample([ln for ln in lines if ln != lines[i]], 3)
+            choices = ["\n" + c for c in [lines[i], *others]]
+            rng.shuffle(choices)
+            context = "\n".join(lines[i - 3 : i])
+            f.write(
+                json.dumps(
+                    {"id": f"l{i}", "context": context, "choices": choices, "answer": choices.index("\n" + lines[i])}
+                )
+                + "\n"
+            )
+    with open(tasks / "line_end.jsonl", "w") as f:
+        for i in rng.sample(range(len(lines)), 30):
+            cut = len(lines[i]) * 2 // 3
+            prompt, answer = lines[i][:cut], lines[i][cut:]
+            f.write(
+                json.dumps({"id": f"e{i}", "prompt": prompt, "answer": answer, "stop": ["\n"], "max_tokens": 24}) + "\n"
+            )
+    lingctl("flood", "eval", str(tasks / "next_line.jsonl"), str(tasks / "line_end.jsonl"), "--model", str(run))
+    print(f"\n{run.name}.eval/scores.md:\n" + (run.with_name(run.name + ".eval") / "scores.md").read_text())
 
 
 if __name__ == "__main__":
