@@ -228,7 +228,9 @@ def evaluate(run: Path) -> None:
     tasks.mkdir(exist_ok=True)
     with open(tasks / "next_line.jsonl", "w") as f:
         for i in rng.sample(range(3, len(lines)), 60):
-            others = rng.sample([ln for ln in lines if ln != lines[i]], 3)
+            # Distractors of about the same length, so a choice's summed log-likelihood is not a length contest.
+            near = [ln for ln in lines if ln != lines[i] and abs(len(ln) - len(lines[i])) <= 4]
+            others = rng.sample(near if len(near) >= 3 else [ln for ln in lines if ln != lines[i]], 3)
             choices = ["\n" + c for c in [lines[i], *others]]
             rng.shuffle(choices)
             context = "\n".join(lines[i - 3 : i])

@@ -5,15 +5,25 @@ from __future__ import annotations
 import sys
 import tempfile
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from lingctl.commands import flood_eval
-from lingctl.commands.options import STDOUT, Dtype, JsonOpt
+from lingctl.commands.options import (
+    STDOUT,
+    DtypeOpt,
+    JsonOpt,
+    KvCacheTokensOpt,
+    MaxBatchTokensOpt,
+    MaxSeqsOpt,
+    PrefixSharingOpt,
+    QuantizeOpt,
+    ThreadsOpt,
+)
+from lingctl.commands.status_view import StatusView
 from lingctl.core.errors import UsageError
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
@@ -28,8 +38,6 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-
-_HUMAN_EVERY_S = 5.0
 
 app.command("eval")(flood_eval.eval_cmd)
 
@@ -75,29 +83,12 @@ def run(
         int,
         typer.Option("--stages", metavar="N", help="Pipeline stages (processes), each holding a slice of the layers."),
     ] = 1,
-    max_batch_tokens: Annotated[
-        int, typer.Option("--max-batch-tokens", metavar="N", help="Tokens per engine step.")
-    ] = 1024,
-    max_seqs: Annotated[int, typer.Option("--max-seqs", metavar="N", help="Requests running at once.")] = 256,
-    kv_cache_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--kv-cache-tokens",
-            metavar="N",
-            help="KV cache size in tokens (default: what the batch needs, within 90% of free memory).",
-        ),
-    ] = None,
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="Weights and compute: float32 or bfloat16.")] = "float32",
-    quantize: Annotated[
-        Literal["int8"] | None,
-        typer.Option("--quantize", help="int8: weight-only int8 linear layers (default: none, weights in --dtype)."),
-    ] = None,
-    prefix_sharing: Annotated[
-        bool,
-        typer.Option(
-            "--prefix-sharing/--no-prefix-sharing", help="Compute prompt prefixes shared by several requests once."
-        ),
-    ] = True,
+    max_batch_tokens: MaxBatchTokensOpt = 1024,
+    max_seqs: MaxSeqsOpt = 256,
+    kv_cache_tokens: KvCacheTokensOpt = None,
+    dtype: DtypeOpt = "float32",
+    quantize: QuantizeOpt = None,
+    prefix_sharing: PrefixSharingOpt = True,
     chat_template: Annotated[
         Path | None,
         typer.Option(
@@ -108,17 +99,7 @@ def run(
             "and memory limits.",
         ),
     ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            "--threads",
-            metavar="N",
-            help="CPU compute threads. Default (or 0): the cores other processes leave "
-            "free, re-measured every few seconds; one thread where results would depend "
-            "on the count (float32 with int8 weights, or without a C compiler for "
-            "flood's kernels).",
-        ),
-    ] = None,
+    threads: ThreadsOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", "-n", help="Read the config only; print the memory plan.")
     ] = False,
@@ -176,8 +157,8 @@ def run(
 
 def _run(out_: Output, opts: Any, run_batch: Any, stop: GracefulStop) -> FloodSummary:
     """``run_batch`` with Ctrl-C / SIGTERM turned into a stop after the current step."""
-    with graceful_stop(stop), _View(out_) as view:
-        return run_batch(opts, on_progress=view.update, should_stop=stop)
+    with graceful_stop(stop), StatusView(out_) as view:
+        return run_batch(opts, on_progress=lambda stats, _summary: _show_progress(view, stats), should_stop=stop)
 
 
 def _summary(s: FloodSummary, console: Any) -> None:
@@ -233,39 +214,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-class _View:
-    """Requests done/total, tok/s, KV use, prefix hits and ETA: a Rich bar on a terminal, a status line every
-    few seconds otherwise, nothing with --json (the summary is the answer)."""
-
-    def __init__(self, out: Output) -> None:
-        self.out = out
-        self._cm: Any = None
-        self._task: Any = None
-        self._last = time.monotonic()
-
-    def __enter__(self) -> _View:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
-
-    def update(self, stats: EngineStats, summary: FloodSummary) -> None:
-        if self._cm is None:
-            self._cm = self.out.progress("flood", total=stats.requests)
-            self._task = self._cm.__enter__()
-        rate = stats.generated_tokens / stats.seconds if stats.seconds > 0 else 0.0
-        kv = 100.0 * stats.kv_used_slots / max(1, stats.kv_slots)
-        left = stats.requests - stats.finished
-        eta = stats.seconds / stats.finished * left if stats.finished else float("nan")
-        text = (
-            f"{stats.finished}/{stats.requests} requests, {rate:,.0f} tok/s, KV {kv:.0f}%, "
-            f"prefix hits {stats.prefix_hits}, running {stats.running}, waiting {stats.waiting}"
-        )
-        self._task.update(description=text, completed=stats.finished)
-        if not self.out.progress_enabled and time.monotonic() - self._last >= _HUMAN_EVERY_S:
-            self._last = time.monotonic()
-            self.out.info(f"{text}, ETA {eta:.0f} s" if eta == eta else text)
+def _show_progress(view: StatusView, stats: EngineStats) -> None:
+    """Requests done/total, tok/s, KV use, prefix hits and (in log lines) the ETA."""
+    rate = stats.generated_tokens / stats.seconds if stats.seconds > 0 else 0.0
+    kv = 100.0 * stats.kv_used_slots / max(1, stats.kv_slots)
+    left = stats.requests - stats.finished
+    eta = stats.seconds / stats.finished * left if stats.finished else float("nan")
+    text = (
+        f"{stats.finished}/{stats.requests} requests, {rate:,.0f} tok/s, KV {kv:.0f}%, "
+        f"prefix hits {stats.prefix_hits}, running {stats.running}, waiting {stats.waiting}"
+    )
+    line = f"{text}, ETA {eta:.0f} s" if eta == eta else text
+    view.show("flood", text, completed=stats.finished, total=stats.requests, line=line)
 
 
 class _StdoutTail:

@@ -5,20 +5,31 @@ from __future__ import annotations
 
 import json as jsonlib
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from lingctl.commands.options import DURATION_FORMS, STDOUT, Dtype, JsonOpt, at_least, duration
+from lingctl.commands.options import (
+    DURATION_FORMS,
+    STDOUT,
+    DtypeOpt,
+    JsonOpt,
+    KvCacheTokensOpt,
+    MaxBatchTokensOpt,
+    MaxSeqsOpt,
+    PrefixSharingOpt,
+    QuantizeOpt,
+    ThreadsOpt,
+    at_least,
+    duration,
+)
+from lingctl.commands.status_view import StatusView
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
 
 if TYPE_CHECKING:
     from lingctl.flood.eval_run import EvalSummary, Progress
-
-_HUMAN_EVERY_S = 5.0
 
 
 def eval_cmd(
@@ -91,33 +102,13 @@ def eval_cmd(
             help="A run: flag a checkpoint whose score fell by more than K standard errors of the difference.",
         ),
     ] = 2.0,
-    max_batch_tokens: Annotated[
-        int,
-        typer.Option("--max-batch-tokens", metavar="N", help="Tokens per engine step (results do not depend on it)."),
-    ] = 1024,
-    max_seqs: Annotated[int, typer.Option("--max-seqs", metavar="N", help="Requests running at once.")] = 256,
-    kv_cache_tokens: Annotated[
-        int | None,
-        typer.Option("--kv-cache-tokens", metavar="N", help="KV cache size in tokens (default: what the tasks need)."),
-    ] = None,
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="Weights and compute: float32 or bfloat16.")] = "float32",
-    quantize: Annotated[
-        Literal["int8"] | None,
-        typer.Option("--quantize", help="int8: weight-only int8 linear layers (default: none, weights in --dtype)."),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            "--threads", metavar="N", help="CPU compute threads (default: the cores other processes leave free)."
-        ),
-    ] = None,
-    prefix_sharing: Annotated[
-        bool,
-        typer.Option(
-            "--prefix-sharing/--no-prefix-sharing",
-            help="Compute a context shared by several requests (an item's choices, few-shot examples) once.",
-        ),
-    ] = True,
+    max_batch_tokens: MaxBatchTokensOpt = 1024,
+    max_seqs: MaxSeqsOpt = 256,
+    kv_cache_tokens: KvCacheTokensOpt = None,
+    dtype: DtypeOpt = "float32",
+    quantize: QuantizeOpt = None,
+    threads: ThreadsOpt = None,
+    prefix_sharing: PrefixSharingOpt = True,
     json: JsonOpt = False,
 ) -> None:
     """Score a model on task files: multiple choice by the log-likelihood of each choice's text, generation by
@@ -127,8 +118,8 @@ def eval_cmd(
     one checkpoint give the same bits. A rerun reuses an output written with the same settings, and continues an
     interrupted one; Ctrl-C stops after the current step (exit 130) and keeps what is done.
     """
-    from lingctl.flood.eval_model import EngineOptions
     from lingctl.flood.eval_run import EvalOptions, run_eval  # torch loads only here
+    from lingctl.flood.options import EngineOptions
 
     at_least("--poll", poll, 0.1)
     to_stdout = out is not None and str(out) == STDOUT
@@ -153,8 +144,8 @@ def eval_cmd(
         ),
     )
     stop = GracefulStop(lambda: out_.warn("stopping after this step (interrupt again to abort)"))
-    with graceful_stop(stop), _View(out_) as view:
-        summary = run_eval(opts, should_stop=stop, on_progress=view.update)
+    with graceful_stop(stop), StatusView(out_) as view:
+        summary = run_eval(opts, should_stop=stop, on_progress=lambda p: _show_progress(view, p))
     if to_stdout:
         for record in summary.results[0].records:
             sys.stdout.write(jsonlib.dumps(record, ensure_ascii=False) + "\n")
@@ -191,35 +182,9 @@ def _render(s: EvalSummary, console: Any) -> None:
     console.print(f"output: {s.out}; {s.seconds:.1f} s in all", markup=False)
 
 
-class _View:
-    """Items done/total and tok/s of the model being evaluated: a Rich bar on a terminal, a status line every
-    few seconds otherwise, nothing with --json."""
-
-    def __init__(self, out: Output) -> None:
-        self.out = out
-        self._cm: Any = None
-        self._task: Any = None
-        self._label = ""
-        self._last = time.monotonic()
-
-    def __enter__(self) -> _View:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
-
-    def update(self, p: Progress) -> None:
-        if p.label != self._label:
-            if self._cm is not None:
-                self._cm.__exit__(None, None, None)
-            self._label = p.label
-            self._cm = self.out.progress(f"eval {p.label}", total=p.items)
-            self._task = self._cm.__enter__()
-        stats = p.stats
-        rate = stats.generated_tokens / stats.seconds if stats is not None and stats.seconds > 0 else 0.0
-        text = f"{p.label}: {p.items_done}/{p.items} items, {rate:,.0f} scored tok/s"
-        self._task.update(description=text, completed=p.items_done)
-        if not self.out.progress_enabled and time.monotonic() - self._last >= _HUMAN_EVERY_S:
-            self._last = time.monotonic()
-            self.out.info(text)
+def _show_progress(view: StatusView, p: Progress) -> None:
+    """Items done/total and scored tokens/s of the model being evaluated."""
+    stats = p.stats
+    rate = stats.generated_tokens / stats.seconds if stats is not None and stats.seconds > 0 else 0.0
+    text = f"{p.label}: {p.items_done}/{p.items} items, {rate:,.0f} scored tok/s"
+    view.show(f"eval {p.label}", text, completed=p.items_done, total=p.items)

@@ -103,3 +103,43 @@ def s3_options(
             "credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE), never with these"
         )
     return S3Options(endpoint_url=endpoint, region=region, profile=profile, path_style=path_style, max_attempts=retries)
+
+
+# flood's engine settings, shared by `flood run` and `flood eval`.
+MaxBatchTokensOpt = Annotated[
+    int,
+    typer.Option("--max-batch-tokens", metavar="N", help="Tokens per engine step (outputs do not depend on it)."),
+]
+MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", metavar="N", help="Requests running at once.")]
+KvCacheTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-cache-tokens",
+        metavar="N",
+        help="KV cache size in tokens (default: what the work needs, within 90% of free memory).",
+    ),
+]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Weights and compute: float32 or bfloat16.")]
+QuantizeOpt = Annotated[
+    Literal["int8"] | None,
+    typer.Option("--quantize", help="int8: weight-only int8 linear layers (default: none, weights in --dtype)."),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        metavar="N",
+        help="CPU compute threads. Default (or 0): the cores other processes leave "
+        "free, re-measured every few seconds; one thread where results would depend "
+        "on the count (float32 with int8 weights, or without a C compiler for "
+        "flood's kernels).",
+    ),
+]
+PrefixSharingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-sharing/--no-prefix-sharing",
+        help="Compute prompt prefixes shared by several requests once (for eval: an item's context across its "
+        "choices, and few-shot examples).",
+    ),
+]

@@ -121,13 +121,13 @@ class BatchOutput:
         self.state = ResumeState()
         if not resume:
             for path in (self.out, self.errors, self.manifest_path):
-                if _has_content(path):
+                if has_content(path):
                     raise UsageError(f"{path} already exists and is not empty", hint=_OVERWRITE_HINT)
-        if resume and _has_content(self.manifest_path):
+        if resume and has_content(self.manifest_path):
             self._check_manifest(manifest)
             _scan(self.out, self.state, errors_file=False)
             _scan(self.errors, self.state, errors_file=True)
-        elif resume and (_has_content(self.out) or _has_content(self.errors)):
+        elif resume and (has_content(self.out) or has_content(self.errors)):
             raise UsageError(
                 f"{self.out} has no manifest ({self.manifest_path.name}), so nothing tells which run wrote it",
                 hint="choose another -o, or move the old output away",
@@ -300,7 +300,8 @@ def _collect(record: dict[str, Any], state: ResumeState, *, errors_file: bool) -
         state.done.add(cid)
 
 
-def _has_content(path: Path) -> bool:
+def has_content(path: Path) -> bool:
+    """The file exists and is not empty."""
     try:
         return path.stat().st_size > 0
     except FileNotFoundError:

@@ -31,6 +31,7 @@ from lingctl.flood.engine import Engine, EngineConfig, EngineStats, GenRequest, 
 from lingctl.flood.eval_report import TaskScore, mean_stderr
 from lingctl.flood.eval_tasks import CHOICE, EvalItem, Task, extract_answer
 from lingctl.flood.model_dir import ModelDir
+from lingctl.flood.options import EngineOptions
 from lingctl.flood.plan import MemoryPlan, check_weights_fit, plan_memory
 from lingctl.flood.prefix import plan_prefixes
 from lingctl.flood.sampling import SamplingParams
@@ -40,32 +41,6 @@ from lingctl.flood.threads import ThreadPolicy
 from lingctl.model.checkpoint import parse_dtype
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineOptions:
-    max_batch_tokens: int = 1024
-    max_seqs: int = 256
-    kv_cache_tokens: int | None = None
-    dtype: str = "float32"
-    quantize: str | None = None  # "int8": weight-only int8 linear layers
-    threads: int | None = None
-    prefix_sharing: bool = True
-    chunk: int = 16  # prompt chunk / prefix block; fixes the numerics, so an output's manifest records it
-
-    def validate(self) -> None:
-        if self.max_batch_tokens < self.chunk:
-            raise UsageError(f"--max-batch-tokens must be at least {self.chunk}, got {self.max_batch_tokens}")
-        if self.max_seqs < 1:
-            raise UsageError(f"--max-seqs must be >= 1, got {self.max_seqs}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
-            raise UsageError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
-        if self.threads is not None and self.threads < 0:
-            raise UsageError(f"--threads must be >= 0 (0: chosen from the free cores), got {self.threads}")
-        if self.quantize not in (None, "int8"):
-            raise UsageError(f"--quantize {self.quantize!r} is not supported; use int8")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -369,4 +344,4 @@ def task_scores(tasks: list[Task], records: list[dict[str, Any]]) -> dict[str, T
     return out
 
 
-__all__ = ["EngineOptions", "ModelEvaluation", "ModelRun", "open_model", "task_scores", "error_text"]
+__all__ = ["ModelEvaluation", "ModelRun", "open_model", "task_scores", "error_text"]

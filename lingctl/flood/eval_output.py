@@ -20,7 +20,7 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError, os_error
-from lingctl.flood.batch_output import JsonlSink, check_manifest, manifest_path, scan_jsonl
+from lingctl.flood.batch_output import JsonlSink, check_manifest, has_content, manifest_path, scan_jsonl
 from lingctl.flood.eval_tasks import Task
 
 log = logging.getLogger(__name__)
@@ -71,15 +71,6 @@ def journal_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def _has_content(path: Path) -> bool:
-    try:
-        return path.stat().st_size > 0
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise os_error(exc, str(path)) from exc
-
-
 def _ours(path: Path) -> bool:
     """The manifest at ``path`` was written by flood eval."""
     try:
@@ -98,10 +89,10 @@ class ResultsFile:
         self.done: list[dict[str, Any]] = []
         self.complete = False
         self._sink: JsonlSink | None = None
-        has_manifest = _has_content(self.manifest_path)
+        has_manifest = has_content(self.manifest_path)
         if has_manifest and not _ours(self.manifest_path):
             raise UsageError(f"{self.manifest_path} was not written by lingctl flood eval", hint=_HINT)
-        if _has_content(self.out):
+        if has_content(self.out):
             if not has_manifest:
                 raise UsageError(
                     f"{self.out} already exists and has no manifest ({self.manifest_path.name}), so lingctl did not "
@@ -112,7 +103,7 @@ class ResultsFile:
             self._read(self.out)
             self.complete = True
             return
-        if _has_content(self.journal):
+        if has_content(self.journal):
             if not has_manifest:
                 raise UsageError(f"{self.journal} has no manifest beside it", hint=_HINT)
             check_manifest(self.manifest_path, manifest, self.out)

@@ -26,10 +26,11 @@ from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
 from lingctl.core.hub import resolve_model_dir
 from lingctl.flood.engine import EngineStats
-from lingctl.flood.eval_model import EngineOptions, ModelEvaluation, open_model, task_scores
+from lingctl.flood.eval_model import ModelEvaluation, open_model, task_scores
 from lingctl.flood.eval_output import ResultsFile, eval_manifest, order_records
 from lingctl.flood.eval_report import CheckpointScores, Drop, TaskScore, find_drops, plot_scores, write_table
 from lingctl.flood.eval_tasks import Task, read_tasks
+from lingctl.flood.options import EngineOptions
 from lingctl.train.checkpoints import is_run_dir, list_checkpoints, run_finished
 
 log = logging.getLogger(__name__)

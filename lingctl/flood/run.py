@@ -41,6 +41,7 @@ from lingctl.flood.engine import (
     error_text,
 )
 from lingctl.flood.model_dir import ModelDir
+from lingctl.flood.options import EngineOptions
 from lingctl.flood.plan import MemoryPlan, check_weights_fit, plan_memory
 from lingctl.flood.prefix import plan_prefixes
 from lingctl.flood.requests import Request, read_batch
@@ -77,18 +78,15 @@ class FloodOptions:
     def validate(self) -> None:
         if self.stages < 1:
             raise UsageError(f"--stages must be >= 1, got {self.stages}")
-        if self.threads is not None and self.threads < 0:
-            raise UsageError(f"--threads must be >= 0 (0: chosen from the free cores), got {self.threads}")
-        if self.max_batch_tokens < self.chunk:
-            raise UsageError(f"--max-batch-tokens must be at least {self.chunk}, got {self.max_batch_tokens}")
-        if self.max_seqs < 1:
-            raise UsageError(f"--max-seqs must be >= 1, got {self.max_seqs}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
-            raise UsageError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
-        if self.quantize not in (None, "int8"):
-            raise UsageError(f"--quantize {self.quantize!r} is not supported; use int8")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        EngineOptions(
+            max_batch_tokens=self.max_batch_tokens,
+            max_seqs=self.max_seqs,
+            kv_cache_tokens=self.kv_cache_tokens,
+            dtype=self.dtype,
+            quantize=self.quantize,
+            threads=self.threads,
+            chunk=self.chunk,
+        ).validate()
 
 
 @dataclass(kw_only=True, slots=True)

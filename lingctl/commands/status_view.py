@@ -1,0 +1,46 @@
+"""A long job's progress as the output layer shows it: a Rich bar on a terminal; off a terminal one status line
+on stderr every few seconds, so a batch job's log shows progress; nothing with --json (the summary is the
+answer)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lingctl.core.output import Output
+
+EVERY_S = 5.0  # off a terminal, one status line per this many seconds
+
+
+class StatusView:
+    def __init__(self, out: Output, *, every_s: float = EVERY_S) -> None:
+        self.out = out
+        self.every_s = every_s
+        self._cm: Any = None
+        self._task: Any = None
+        self._name: str | None = None
+        self._last = time.monotonic()
+
+    def __enter__(self) -> StatusView:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._close(*exc)
+
+    def _close(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*(exc or (None, None, None)))
+            self._cm = None
+
+    def show(self, name: str, text: str, *, completed: float, total: float | None, line: str | None = None) -> None:
+        """``text`` on the bar called ``name`` (a new name starts a new bar); off a terminal ``line`` (default:
+        ``text``) once every ``every_s``."""
+        if name != self._name:
+            self._close()
+            self._name = name
+            self._cm = self.out.progress(name, total=total)
+            self._task = self._cm.__enter__()
+        self._task.update(description=text, completed=completed)
+        if not self.out.progress_enabled and time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            self.out.info(line if line is not None else text)
