@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# Two test processes, one test file each at a time (module fixtures stay within one process): most tests
+# spend their time waiting on lingctl subprocesses, servers and sockets, so two keep both cores busy.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The quality gate CI runs before the tests: lint and formatting (ruff), types (mypy); settings in pyproject.toml.
 lint: $(STAMP)

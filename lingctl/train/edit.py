@@ -272,7 +272,11 @@ class EditSynchronizer:
             )
         z = (n_UW - mean) / torch.sqrt(var + (STD_FLOOR * mean) ** 2 + TINY)
         anomalous = ~finite | ((count >= c.anomaly_warmup) & (z > c.anomaly_threshold))
-        kept = ~anomalous
+        # A worker that took no local step since the last sync (a slow one at a time-based sync, or at the
+        # final sync) has an exactly zero delta: nothing to merge. Under softmax(-norm) it would get the largest
+        # weight and pull the average back towards the anchor, so it takes no part (and leaves the statistics).
+        empty = n_UW == 0
+        kept = ~anomalous & ~empty
         # A unit where every worker is anomalous keeps all (finite) workers: a rise shared by all of them is
         # a change in training (LR warm-up, new data), not one bad worker, and with nobody kept there would
         # be nothing to average; their norms also enter the statistics, which could never catch up otherwise.
@@ -288,7 +292,7 @@ class EditSynchronizer:
         var.copy_(torch.where(kept, (1 - a) * (var + a * d * d), var))
         count.add_(kept.to(torch.int64))
         logits = torch.where(kept, -n_UW / c.weight_temperature, -math.inf)
-        return torch.softmax(logits, dim=1), ~kept
+        return torch.softmax(logits, dim=1), ~kept & ~empty
 
     def _launch_through(self, last: int) -> None:
         """Start the weighted-delta all_reduce of every unit up to ``last``, always in unit order (collectives

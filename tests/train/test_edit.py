@@ -265,6 +265,23 @@ def test_after_warmup_a_bad_worker_is_dropped_and_the_others_move_without_it(thr
 
 
 # -- one process -------------------------------------------------------------------------------------------
+def test_a_worker_with_no_local_step_since_the_sync_takes_no_part() -> None:
+    """At a time-based (or the final) sync a slow worker may have taken no step: its delta is exactly zero,
+    and softmax(-norm) would give it the largest weight, pulling the average back to the anchor."""
+    sync = EditSynchronizer(units(tiny_model()), EditConfig())
+    U = len(sync.units)
+    sync.norm_mean, sync.norm_var = torch.zeros(U, 2, dtype=torch.float64), torch.zeros(U, 2, dtype=torch.float64)
+    sync.norm_count = torch.zeros(U, 2, dtype=torch.int64)
+    norms_UW = torch.tensor([[0.8, 0.0]] * U, dtype=torch.float64)
+    weights_UW, dropped_UW = sync._penalties(norms_UW)
+    assert weights_UW[:, 1].eq(0).all() and weights_UW[:, 0].eq(1).all()
+    assert not dropped_UW.any()  # not an anomaly: it had nothing to send
+    assert sync.norm_count[:, 1].eq(0).all()  # and its zero norm did not enter its statistics
+    # Everyone empty (nothing trained since the sync): all stay in, with equal weights and nothing to move.
+    weights_UW, _ = sync._penalties(torch.zeros(U, 2, dtype=torch.float64))
+    assert weights_UW.eq(0.5).all()
+
+
 def test_one_worker_with_the_exact_outer_step_reproduces_plain_training_bit_for_bit() -> None:
     plain, edit = Replica(None, seed=3), Replica(EditConfig(**EXACT), seed=3)
     for i in range(3):
