@@ -46,6 +46,7 @@ from lingctl.core.errors import (
     UsageError,
     VerificationError,
 )
+from lingctl.core.names import printable
 from lingctl.core.storage import Aimd, ObjectInfo, ObjectStore, S3Options, StoreURL, open_store
 
 log = logging.getLogger(__name__)
@@ -477,7 +478,7 @@ class Syncer:
         the listing is incomplete, nothing is deleted (``_delete`` runs only when nothing failed)."""
         log.warning("%s", err)
         with self._lock:
-            self.result.failed.append({"key": path, "error": f"could not be listed: {err}", "kind": "error"})
+            self.result.failed.append({"key": printable(path), "error": f"could not be listed: {err}", "kind": "error"})
         self.progress("failed", 1)
 
     def _count_resumed(self, n: int) -> None:

@@ -12,6 +12,7 @@ holding ESC sequences or newlines cannot rewrite the user's screen or forge log 
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
 
 from lingctl.core.errors import VerificationError
@@ -34,17 +35,25 @@ def _control(ch: str) -> bool:
     return code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0
 
 
+# Invisible characters that change how the rest of a line is shown: bidirectional overrides and isolates
+# (U+202E makes "evil\u202etxt.exe" display as "evilexe.txt"), line and paragraph separators, and other
+# format characters. The zero-width joiners stay: scripts such as Persian and the Indic ones need them.
+_SHOWN_AS_IS = frozenset({"\u200c", "\u200d"})
+_HIDDEN_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
+
+
+def _escaped(ch: str) -> bool:
+    if _control(ch) or 0xD800 <= ord(ch) <= 0xDFFF:
+        return True
+    return ch not in _SHOWN_AS_IS and unicodedata.category(ch) in _HIDDEN_CATEGORIES
+
+
 def printable(text: str) -> str:
-    """``text`` with control characters (ESC, newline, DEL, C1) and lone surrogates shown as escapes."""
+    """``text`` with control characters (ESC, newline, DEL, C1), lone surrogates and invisible format
+    characters (bidirectional overrides such as U+202E, line separators) shown as escapes."""
     if text.isprintable():
         return text
-    out = []
-    for ch in text:
-        if _control(ch) or 0xD800 <= ord(ch) <= 0xDFFF:
-            out.append(ascii(ch)[1:-1])
-        else:
-            out.append(ch)
-    return "".join(out)
+    return "".join(ascii(ch)[1:-1] if _escaped(ch) else ch for ch in text)
 
 
 def check_relative(name: object, *, what: str = "name") -> str:

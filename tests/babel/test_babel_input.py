@@ -170,7 +170,25 @@ def test_unreadable_subdirectories_are_reported_and_the_rest_synced(tmp_path: Pa
     assert listing.returncode == 1
     assert sorted(line.split()[-1] for line in listing.stdout.splitlines()) == ["a.txt", "ok/b.txt"]
     assert len([line for line in listing.stderr.splitlines() if line.startswith("warning: cannot read")]) == 2
-    assert "2 directories could not be read" in one_line_error(listing.stderr)
+    assert "2 entries could not be listed" in one_line_error(listing.stderr)
+
+
+def test_a_name_that_is_not_utf8_fails_the_run_and_deletes_nothing(tmp_path: Path, lingctl) -> None:
+    """Such a name cannot be a key: it is reported (escaped) with exit 1, never skipped in silence, the rest
+    is copied, and --delete deletes nothing because the listing is incomplete."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write(src, {"a.txt": b"a"})
+    write(dst, {"gone.txt": b"not in the source"})
+    with open(os.path.join(os.fsencode(src), b"latin1-\xe9.bin"), "wb") as f:
+        f.write(b"x")
+    r = lingctl("babel", "sync", str(src), str(dst), "--delete", "--json")
+    assert r.returncode == 1, r.stderr
+    error = one_line_error(r.stderr)
+    assert "1 object(s) failed" in error and "latin1-\\udce9.bin" in error and "not valid UTF-8" in error
+    assert "Traceback" not in r.stderr
+    result = json.loads(r.stdout)
+    assert [f["key"] for f in result["failed"]] == [f"{src}/latin1-\\udce9.bin"]
+    assert result["copied"] == 1 and result["deleted"] == 0 and (dst / "gone.txt").exists()
 
 
 # -- 4 and 7. keys from a remote listing: shown escaped, refused as local file names ------------------------
@@ -178,7 +196,7 @@ def test_unreadable_subdirectories_are_reported_and_the_rest_synced(tmp_path: Pa
 
 def test_escape_sequences_in_s3_keys_never_reach_the_terminal(lingctl, tmp_path: Path, s3_env, s3_bucket) -> None:
     client = make_client(S3Options(endpoint_url=s3_env["AWS_ENDPOINT_URL"]))
-    keys = {"ok.txt": b"fine", ESC_KEY: b"escape", NEWLINE_KEY: b"newline"}
+    keys = {"ok.txt": b"fine", ESC_KEY: b"escape", NEWLINE_KEY: b"newline", "bidi\u202etxt.exe": b"rlo"}
     for key, data in keys.items():
         client.put_object(Bucket=s3_bucket, Key=f"in/{key}", Body=data)
 
@@ -186,8 +204,10 @@ def test_escape_sequences_in_s3_keys_never_reach_the_terminal(lingctl, tmp_path:
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout
     lines = r.stdout.splitlines()
-    assert len(lines) == 3  # one line per key: a newline in a key cannot forge a second one
+    assert len(lines) == 4  # one line per key: a newline in a key cannot forge a second one
     assert any(line.endswith("esc\\x1b[2J\\x1b]0;pwned\\x07.txt") for line in lines)
+    # A right-to-left override would show "bidiexe.txt": it is shown as an escape.
+    assert "\u202e" not in r.stdout and any(line.endswith("bidi\\u202etxt.exe") for line in lines)
     assert any(line.endswith("two\\nlines.txt") for line in lines)
     r = lingctl("babel", "ls", "-R", f"s3://{s3_bucket}/in", "--json", env=s3_env)
     assert sorted(row["key"] for row in json.loads(r.stdout)) == sorted(keys)  # JSON keeps keys exact
@@ -200,7 +220,9 @@ def test_escape_sequences_in_s3_keys_never_reach_the_terminal(lingctl, tmp_path:
     assert len(failed) == 2 and all("control characters" in line for line in failed)
     error = one_line_error("\n".join(line for line in r.stderr.splitlines() if line.startswith(("lingctl: e", "hint"))))
     assert "\x1b" not in error
-    assert tree(dst) == {"ok.txt": b"fine"}  # the refused names created nothing, anywhere
+    assert "\u202e" not in r.stdout + r.stderr
+    # The refused names created nothing, anywhere; the override is a legal (if sly) file name and is copied.
+    assert tree(dst) == {"ok.txt": b"fine", "bidi\u202etxt.exe": b"rlo"}
     assert sorted(os.listdir(tmp_path)) == ["dst"]
 
 

@@ -7,6 +7,7 @@ exact point), real files and real `lingctl` subprocesses.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -320,6 +321,109 @@ def test_file_size_limit_is_one_line_exit_1_and_leaves_no_partial_file(tmp_path)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # space again: the run converges
     assert res.returncode == 0, res.stderr
     assert read_tree(dst) == files
+
+
+def _private_mounts_allowed() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+# The scenario runs in a private mount namespace: a 30 MiB tmpfs is the destination's file system, the first
+# sync fills it, the tmpfs is grown to 80 MiB and the same sync runs again; the result is copied out before the
+# namespace (and its tmpfs) goes away.
+_FULL_DISK_SCRIPT = """
+set -u
+mount -t tmpfs -o size=30M lingctl-test "$DST" || exit 97
+"$PY" -m lingctl babel sync "$SRC" "$DST" --part-size 5MiB --json > "$OUT/first.json" 2> "$OUT/first.err"
+echo $? > "$OUT/first.rc"
+mount -o remount,size=80M "$DST" || exit 98
+"$PY" -m lingctl babel sync "$SRC" "$DST" --part-size 5MiB --json > "$OUT/second.json" 2> "$OUT/second.err"
+echo $? > "$OUT/second.rc"
+"$PY" -m lingctl babel verify "$SRC" "$DST" --mode full --json > "$OUT/verify.json" 2> "$OUT/verify.err"
+echo $? > "$OUT/verify.rc"
+cp -a "$DST/." "$OUT/copy/"
+"""
+
+
+@pytest.mark.skipif(not _private_mounts_allowed(), reason="needs a private mount namespace (unshare -m) for a tmpfs")
+def test_a_full_disk_keeps_no_damaged_file_under_its_final_name(tmp_path, s3_bucket, cache_env):
+    """15 objects, 50 MiB, into a 30 MiB file system: the run fails with "no space left"; no file reaches its
+    final name unless every byte of it was written, so after space is freed the rerun copies what is missing
+    (nothing damaged is called up to date) and a full verify matches."""
+    src = tmp_path / "src"
+    sizes = [7, 9, 11, 6, 8] + [1] * 9  # MiB: multipart objects (5 MiB parts) and single writes
+    files = {f"d{i % 3}/obj-{i:02d}.bin": os.urandom(n * MiB - 1000 * i) for i, n in enumerate(sizes)}
+    files["tail.bin"] = os.urandom(MiB // 3)
+    for key, data in files.items():
+        (src / key).parent.mkdir(parents=True, exist_ok=True)
+        (src / key).write_bytes(data)
+    assert 49 * MiB < sum(map(len, files.values())) < 51 * MiB and len(files) == 15
+    seeded = subprocess.run(
+        [sys.executable, "-m", "lingctl", "babel", "sync", str(src), f"s3://{s3_bucket}/s1", "--part-size", "5MiB"],
+        capture_output=True, text=True, env=cache_env, timeout=300,
+    )  # fmt: skip
+    assert seeded.returncode == 0, seeded.stderr
+    dst, out = tmp_path / "dst", tmp_path / "out"
+    dst.mkdir()
+    (out / "copy").mkdir(parents=True)
+    env = {**cache_env, "SRC": f"s3://{s3_bucket}/s1", "DST": str(dst), "OUT": str(out), "PY": sys.executable}
+    ran = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", _FULL_DISK_SCRIPT],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    first_err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "1", first_err
+    assert "no space left" in first_err.lower() and "Traceback" not in first_err
+    second = json.loads((out / "second.json").read_text())
+    assert (out / "second.rc").read_text().strip() == "0", (out / "second.err").read_text()
+    assert second["copied"] >= 1 and second["copied"] + second["skipped"] == len(files)
+    verify_rc = (out / "verify.rc").read_text().strip()
+    assert verify_rc == "0", (out / "verify.json").read_text() + (out / "verify.err").read_text()
+    assert read_tree(out / "copy") == files
+    assert _temp_files(out / "copy") == []
+
+
+def test_short_part_writes_never_complete_a_file(tmp_path):
+    """A part write that the file system cuts short (here a file-size limit in the middle of the part) is
+    written on until it fails with the reason, and an upload whose parts do not cover the file is not
+    renamed into place."""
+    script = f"""
+import resource, signal, sys
+from pathlib import Path
+from lingctl.core.errors import DiskFullError
+from lingctl.core.storage import LocalStore, parse_url
+from lingctl.core.storage.local import IncompleteUploadError
+
+store = LocalStore(parse_url({str(tmp_path / "dst")!r}))
+size = 3 << 20
+upload = store.multipart.create("f.bin", size)
+first = store.multipart.put_part("f.bin", upload, 1, 0, b"a" * (1 << 20))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ((3 << 20) // 2, resource.RLIM_INFINITY))
+try:
+    store.multipart.put_part("f.bin", upload, 2, 1 << 20, b"b" * (1 << 20))
+    print("second part: written")
+except DiskFullError as exc:
+    print("second part:", exc.exit_code, exc.message)
+third = store.multipart.put_part("f.bin", upload, 3, 2 << 20, b"")  # an empty tag, as a lost part would leave
+try:
+    store.multipart.complete("f.bin", upload, [(1, first), (3, third)])
+    print("complete: done")
+except IncompleteUploadError as exc:
+    print("complete: refused:", exc.message)
+print("final name exists:", Path({str(tmp_path / "dst" / "f.bin")!r}).exists())
+"""
+    (tmp_path / "dst").mkdir()
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("second part: 1 ") and "too large" in lines[0], lines
+    assert lines[1].startswith("complete: refused:") and "starts at byte 2097152" in lines[1], lines
+    assert lines[2] == "final name exists: False"
+    assert _temp_files(tmp_path / "dst") == []
 
 
 def test_journal_on_a_full_disk_is_a_disk_full_error(tmp_path):

@@ -72,4 +72,8 @@ def test_printable_escapes_control_characters_and_keeps_the_rest() -> None:
     assert "\x7f" not in shown and "\x9b" not in shown
     assert shown == "evil\\x1b[2J\\x1b]0;title\\x07\\nFAKE LOG LINE\\r\\x7f\\x9b"
     assert printable("a\ud800b") == "a\\ud800b"
+    # Invisible characters that reorder or break what follows them are shown too; joiners that scripts need stay.
+    assert printable("evil\u202etxt.exe") == "evil\\u202etxt.exe"
+    assert printable("a\u2066b\u2069c\u2028d\u200be") == "a\\u2066b\\u2069c\\u2028d\\u200be"
+    assert printable("می\u200cخواهم") == "می\u200cخواهم"
     assert shown.isprintable()

@@ -52,9 +52,9 @@ class UnreadableError(LingctlError):
         _, err = failures[0]
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         super().__init__(
-            f"{len(failures)} director{'y' if len(failures) == 1 else 'ies'} could not be read, "
+            f"{len(failures)} {'entry' if len(failures) == 1 else 'entries'} could not be listed, "
             f"so the listing is incomplete; first: {printable(err.message)}{more}",
-            hint="fix their permissions and run the same command again; the rest was handled",
+            hint=err.hint or "fix their permissions and run the same command again; the rest was handled",
         )
         self.failures = failures
 

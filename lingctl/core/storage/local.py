@@ -7,14 +7,18 @@ multipart uploads are a temporary file beside the target, written at offsets and
 from __future__ import annotations
 
 import builtins
+import ctypes
+import errno
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 from lingctl.core.atomic import atomic_write, commit_tmp, create_tmp, is_tmp_name
 from lingctl.core.checksum import Crc64, crc64_bytes, crc64_file
-from lingctl.core.errors import AccessDeniedError, NotFoundError, UsageError, os_error
+from lingctl.core.errors import AccessDeniedError, LingctlError, NotFoundError, UsageError, os_error
 from lingctl.core.names import UnsafeNameError, join_under
 from lingctl.core.storage.base import MultipartUploads, ObjectInfo, ObjectStore, Version
 from lingctl.core.storage.crawl import Crawl, Listed, ListStats, OnUnreadable
@@ -270,7 +274,7 @@ class _LocalUploads(MultipartUploads):
         target = self.store.path(key)
         tmp, fd = create_tmp(target)
         try:
-            os.ftruncate(fd, size)
+            _reserve(fd, size)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise os_error(exc, str(target)) from exc
@@ -288,14 +292,16 @@ class _LocalUploads(MultipartUploads):
     ) -> str:
         tmp = self._tmp(key, upload_id)
         try:
-            fd = os.open(tmp, os.O_WRONLY)
+            fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
             try:
-                os.pwrite(fd, data, offset)
+                _pwrite_all(fd, data, offset)
             finally:
                 os.close(fd)
         except OSError as exc:
             raise os_error(exc, str(tmp)) from exc
-        return str(number)
+        # The tag records where the part went and how long it was, so ``complete`` can show that the parts
+        # cover the file exactly: a part that was never written leaves a hole of zeros, not an error.
+        return f"{number}:{offset}:{len(data)}"
 
     def complete(
         self,
@@ -309,8 +315,12 @@ class _LocalUploads(MultipartUploads):
         target = self.store.path(key)
         tmp = self._tmp(key, upload_id)
         try:
+            _check_parts(tmp, parts)
             commit_tmp(tmp, target, mtime=mtime, mtime_ns=mtime_ns)
             st = target.stat()
+        except IncompleteUploadError:
+            tmp.unlink(missing_ok=True)
+            raise
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise os_error(exc, str(target)) from exc
@@ -318,3 +328,71 @@ class _LocalUploads(MultipartUploads):
 
     def abort(self, key: str, upload_id: str) -> None:
         self._tmp(key, upload_id).unlink(missing_ok=True)
+
+
+class IncompleteUploadError(LingctlError):
+    """The parts given to ``complete`` do not cover the temporary file exactly: it is not renamed into place."""
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``. ``pwrite`` may write less than asked (a disk filling up, a
+    file-size limit, a signal); the rest is written again until the call fails with the reason (ENOSPC,
+    EFBIG), which is raised. A short count taken as done leaves a hole of zeros in the file."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # no progress and no error: a full disk that does not say so
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        offset += n
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the temporary file its final size, with its blocks allocated where the file system can
+    (``fallocate``): a disk too small for the object fails here, before any part is fetched, as rclone's
+    preallocation does. Elsewhere the file is extended sparsely and a full disk shows at the write."""
+    if size > 0 and _fallocate is not None:
+        if _fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OSError(err, os.strerror(err))
+        # EOPNOTSUPP and the like: the file system cannot reserve; fall through to a sparse file.
+    os.ftruncate(fd, size)
+
+
+def _load_fallocate() -> Callable[..., int] | None:
+    """Linux's ``fallocate(2)`` (no emulation, unlike ``posix_fallocate``, which writes zeros block by block
+    on file systems that cannot reserve)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return cast(Callable[..., int], fn)
+
+
+_fallocate = _load_fallocate()
+
+
+def _check_parts(tmp: Path, parts: builtins.list[tuple[int, str]]) -> None:
+    """Refuse to complete unless the parts, in order, were written back to back from offset 0 to the end of
+    the temporary file (its size is the object's, set by ``create``)."""
+    size = os.stat(tmp, follow_symlinks=False).st_size
+    end = 0
+    for number, tag in parts:
+        try:
+            tagged, offset, length = (int(x) for x in tag.split(":"))
+        except ValueError:
+            raise IncompleteUploadError(f"{tmp}: part {number} has tag {tag!r}, not one this store gave") from None
+        if tagged != number or offset != end:
+            raise IncompleteUploadError(
+                f"{tmp}: part {number} starts at byte {offset}, but the parts before it end at {end}"
+            )
+        end += length
+    if end != size:
+        raise IncompleteUploadError(f"{tmp}: the parts cover {end} of {size} bytes; the file is not complete")

@@ -75,8 +75,16 @@ class LocalLister:
                     crawl.unreadable(entry.path, os_error(exc, entry.path))
                     continue
                 if not name.isascii() and not _utf8(name):
-                    # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is.
-                    log.warning("skipping %s: its name is not valid UTF-8", os.fsencode(entry.path))
+                    # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is. It is not
+                    # skipped in silence: like an unreadable entry it fails the run (exit 1) and, since the
+                    # listing is then incomplete, a sync deletes nothing. rclone would encode it instead.
+                    crawl.unreadable(
+                        entry.path,
+                        UsageError(
+                            f"{printable(entry.path)}: the name is not valid UTF-8, so it cannot be copied as a key",
+                            hint="rename it (e.g. convmv -f latin1 -t utf8), or leave it out with --exclude",
+                        ),
+                    )
                     continue
                 batch.append(Listed(rel + name, st.st_size, st.st_mtime))
                 if len(batch) >= _BATCH:
