@@ -117,6 +117,8 @@ def render_diagnosis(d: Diagnosis) -> str:
         if r.stacks:
             lines.append(f"stacks of rank {r.rank} (pid {r.pid}):")
             lines.extend("  " + line for line in r.stacks.rstrip().splitlines())
+        elif r.stacks_note:
+            lines.append(f"stacks of rank {r.rank} (pid {r.pid}): {r.stacks_note}")
     lines.extend(f"note: {n}" for n in d.notes)
     return "\n".join(lines)
 

@@ -4,8 +4,9 @@ Reading a ring is a few ``struct`` reads of shared memory, so a snapshot costs t
 Python stacks come from the process itself: a traced process has ``faulthandler`` registered on
 ``STACKS_SIGNAL`` and dumps every thread's stack into ``<ring dir>/<pid>.stacks``, which works even while
 its main thread is stuck in native code holding the GIL (a Python-level handler would never run). A process
-that is not traced is never signalled (the default action of that signal is to terminate it); its stacks
-come from ``py-spy dump`` when py-spy is installed.
+is signalled only once it is shown to be a traced process of the ring directory's owner (``stacks.py``: the
+default action of that signal is to terminate it); the stacks of any other come from ``py-spy dump`` when
+py-spy is installed.
 
 This module must stay cheap to import: no torch, so the first snapshot appears in a fraction of a second.
 """
@@ -56,19 +57,36 @@ def find_ring(pid: int, create_time: float | None = None, uid: int | None = None
     return None
 
 
-def request_stacks(pid: int, ring: Path, timeout: float = STACKS_TIMEOUT_S) -> str | None:
-    """Ask a traced process for all its threads' Python stacks; None when no complete dump came in time.
+def ask_for_stacks(pid: int, ring: Path, timeout: float = STACKS_TIMEOUT_S) -> tuple[str | None, str | None]:
+    """(all threads' Python stacks, None) from traced process ``pid``, or (None, why not).
 
-    Only a process whose stacks file exists is signalled: the tracer removes the file before it lets go of the
-    signal. The file is the tracer's ``stacks_path(pid)`` beside its ring, opened as ``dump_stacks`` says.
-    """
-    from lingctl.timer.tracer import dump_stacks
+    The stacks file is the tracer's ``stacks_path(pid)`` beside its ring, opened as ``dump_stacks`` says. The
+    process is signalled only when it is shown to be a traced process of the user who owns the ring
+    directory (``stacks.py``): a ring names its pid, and a ring is data that its owner, not necessarily the
+    process's, wrote."""
+    from lingctl.timer.stacks import NotProvenTraced, dump_stacks
 
+    owner = None
     try:
-        owner = os.lstat(ring).st_uid
-        return dump_stacks(pid, ring.parent / f"{pid}.stacks", owner=owner, timeout=timeout)
+        owner = os.lstat(ring.parent).st_uid
+        text = dump_stacks(pid, ring.parent / f"{pid}.stacks", owner=owner, timeout=timeout)
+    except NotProvenTraced as err:
+        return None, (
+            f"not requested: process {pid} could not be shown to be a traced process of the ring's owner "
+            f"(uid {owner}): {err}"
+        )
     except (FileNotFoundError, ProcessLookupError):
-        return None
+        return None, "not requested: the process has exited or is no longer traced"
+    except OSError as exc:
+        return None, f"not requested: {exc.strerror or exc}"
+    if text is None:
+        return None, f"no stack dump from the process within {timeout:.0f} s"
+    return text, None
+
+
+def request_stacks(pid: int, ring: Path, timeout: float = STACKS_TIMEOUT_S) -> str | None:
+    """``ask_for_stacks`` without the reason: the stacks, or None."""
+    return ask_for_stacks(pid, ring, timeout)[0]
 
 
 def py_spy() -> str | None:
@@ -237,11 +255,10 @@ class Attacher:
     def _stacks(self, snap: dict) -> None:
         note = None
         if self.ring_file is not None:
-            text = request_stacks(self.pid, self.ring_file)
+            text, note = ask_for_stacks(self.pid, self.ring_file)
             if text is not None:
                 snap.update(stacks=text, stacks_source="faulthandler")
                 return
-            note = f"no stack dump from the process within {STACKS_TIMEOUT_S:.0f} s"
         text, why = py_spy_stacks(self.pid)
         if text is not None:
             snap.update(stacks=text, stacks_source="py-spy")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import NotFoundError
-from lingctl.timer.attach import describe_inside, find_ring, header_facts, request_stacks
+from lingctl.timer.attach import ask_for_stacks, describe_inside, find_ring, header_facts
 from lingctl.timer.ring import Header, Kind, Op, Record, RingReader, pid_alive
 from lingctl.timer.steps import COMPUTE, breakdown, kind_name, op_name
 
@@ -100,6 +100,7 @@ class RankReport:
     started_seq: dict[str, int]
     breakdown: dict
     stacks: str | None = None
+    stacks_note: str | None = None  # why a rank that was asked for its stacks has none
 
 
 @dataclass(slots=True)
@@ -162,9 +163,15 @@ def diagnose(
     pids of its traced processes. Raises ``NotFoundError`` when there is nothing to read."""
     if (out_dir is None) == (pids is None):
         raise ValueError("give exactly one of out_dir and pids")
-    ranks = load_dir(out_dir) if out_dir is not None else load_pids(pids or [])
+    notes: list[str] = []
+    ranks = load_dir(out_dir, notes) if out_dir is not None else load_pids(pids or [])
     return analyse(
-        ranks, hang_after_s=hang_after_s, stacks=stacks, last_collectives=last_collectives, last_steps=last_steps
+        ranks,
+        hang_after_s=hang_after_s,
+        stacks=stacks,
+        last_collectives=last_collectives,
+        last_steps=last_steps,
+        notes=notes,
     )
 
 
@@ -222,18 +229,17 @@ def from_log(meta: dict, records: list[Record]) -> RankData:
     )
 
 
-def load_dir(out_dir: Path) -> list[RankData]:
-    """Every rank of a trace directory: the live ring where its process still runs on this host, else its log."""
+def load_dir(out_dir: Path, notes: list[str] | None = None) -> list[RankData]:
+    """Every rank of a trace directory: the live ring where its process still runs on this host, else its log.
+    A meta file the tracer did not write is skipped, with a line in ``notes`` (``logs.usable_runs``)."""
     from lingctl.timer import logs
 
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise NotFoundError(f"{out_dir}: no such directory")
-    runs = logs.find_runs(out_dir)
-    if not runs:
-        raise NotFoundError(
-            f"{out_dir}: no traces (rank-*.meta.json)", hint="trace a job with `lingctl timer run --out DIR -- CMD`"
-        )
+    runs, skipped = logs.usable_runs(out_dir)
+    if notes is not None:
+        notes.extend(f"skipped {line}" for line in skipped)
     host = socket.gethostname()
     out = []
     for meta in runs:
@@ -305,15 +311,18 @@ def analyse(
     last_collectives: int = 50,
     last_steps: int = 20,
     now_ns: int | None = None,
+    notes: list[str] | None = None,
 ) -> Diagnosis:
-    """The diagnosis of ``ranks`` (see the module doc). ``now_ns``: the monotonic clock of the live ranks."""
+    """The diagnosis of ``ranks`` (see the module doc). ``now_ns``: the monotonic clock of the live ranks;
+    ``notes``: what loading them found, to go first among the diagnosis's notes."""
     now = time.monotonic_ns() if now_ns is None else now_ns
-    notes: list[str] = []
+    notes = list(notes or [])
     ranks = _one_per_rank(ranks, notes)
     world = max([r.world for r in ranks] + [len(ranks)])
     missing = sorted(set(range(world)) - {r.rank for r in ranks})
     if missing:
-        notes.append(f"no trace for rank(s) {format_ranks(missing)} of {world}: they are not in the analysis")
+        listed = format_ranks(missing[:16]) + (f", ... ({len(missing)} in all)" if len(missing) > 16 else "")
+        notes.append(f"no trace for rank(s) {listed} of {world}: they are not in the analysis")
 
     groups = _group_reports(ranks, now, world)
     waits = [(w, g) for g in groups for w in g.waiting.values()]
@@ -478,10 +487,10 @@ def _attach_stacks(ranks: list[RankData], reports: list[RankReport]) -> None:
     if not todo:
         return
     with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-        found = dict(zip((r.rank for r in todo), pool.map(lambda r: request_stacks(r.pid, r.ring), todo)))
+        found = dict(zip((r.rank for r in todo), pool.map(lambda r: ask_for_stacks(r.pid, r.ring), todo)))
     for rep in reports:
-        if found.get(rep.rank):
-            rep.stacks = found[rep.rank]
+        if rep.rank in found:
+            rep.stacks, rep.stacks_note = found[rep.rank]
 
 
 def _slowdown(

@@ -90,11 +90,9 @@ def export_chrome(out_dir: Path, dest: Path) -> int:
     """Write ``dest`` from the logs in ``out_dir``; returns the number of complete events written."""
     from lingctl.timer import logs
 
-    runs = logs.find_runs(Path(out_dir))
-    if not runs:
-        raise NotFoundError(
-            f"{out_dir}: no traces (rank-*.meta.json)", hint="trace a job with `lingctl timer run --out DIR -- CMD`"
-        )
+    if not Path(out_dir).is_dir():
+        raise NotFoundError(f"{out_dir}: no such directory")
+    runs, _ = logs.usable_runs(Path(out_dir))  # the files it skips are logged as warnings
     events: list[dict] = []
     header: list[dict] = []
     for meta in runs:

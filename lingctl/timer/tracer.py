@@ -26,14 +26,12 @@ become pass-through) with one warning. Forked children (DataLoader workers) are 
 from __future__ import annotations
 
 import atexit
-import errno
 import faulthandler
 import fcntl
 import importlib.util
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -58,11 +56,11 @@ from lingctl.timer.ring import (
     ring_dir,
     ring_path,
 )
+from lingctl.timer.stacks import STACKS_SIGNAL, dump_stacks
 from lingctl.timer.targets import TargetsMixin
 
 log = logging.getLogger("lingctl.timer")
 
-STACKS_SIGNAL = signal.SIGUSR2
 DEFAULT_TARGETS = ("collectives", "p2p", "optimizer", "data", "forward", "backward", "copy")
 
 _now = time.monotonic_ns
@@ -107,36 +105,6 @@ def read_stacks(pid: int, timeout: float = 3.0) -> str:
     FileNotFoundError when the process is not traced (the signal would kill an untraced process)."""
     text = dump_stacks(pid, stacks_path(pid), timeout=timeout)
     return text or ""
-
-
-def dump_stacks(pid: int, path: Path, *, owner: int | None = None, timeout: float = 3.0) -> str | None:
-    """Ask traced process ``pid`` for its stacks through its stacks file ``path`` (owned by ``owner``, default
-    us): empty the file, signal the process, wait until the file is non-empty and its size holds still for a
-    moment (faulthandler writes the dump in one burst from the signal handler). None when no complete dump came
-    within ``timeout``. FileNotFoundError when there is no stacks file (the process is not traced: only a
-    process whose stacks file exists is signalled; the tracer removes it before it lets go of the signal).
-
-    The file is opened once, without following links, and used only if it is a regular file of ``owner``
-    with one link: emptying or reading a file planted in its place would touch someone else's data."""
-    try:
-        fd = open_regular(path, os.O_RDWR, owner=owner)
-    except LingctlError as err:
-        raise FileNotFoundError(errno.ENOENT, str(err), str(path)) from None
-    try:
-        if os.fstat(fd).st_nlink != 1:
-            raise FileNotFoundError(errno.ENOENT, f"{path} has other names; refusing to use it", str(path))
-        os.ftruncate(fd, 0)
-        os.kill(pid, STACKS_SIGNAL)
-        deadline, last = time.monotonic() + timeout, -1
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            size = os.fstat(fd).st_size
-            if size > 0 and size == last:
-                return os.pread(fd, size, 0).decode(errors="replace")
-            last = size
-        return None
-    finally:
-        os.close(fd)
 
 
 def collect_stale_files() -> list[Path]:
