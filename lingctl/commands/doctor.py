@@ -24,7 +24,7 @@ from lingctl.core.units import parse_size
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from lingctl.core.doctor import DoctorReport
+    from lingctl.core.doctor import Check, DoctorReport
 
 _MAX_PROBE = 1 << 30
 _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
@@ -66,10 +66,29 @@ def doctor(
         disk_path=path,
         probe_url=probe,
         probe_size=size,
+        tool_checks=[flood_kernels_check],
     )
     out.result(report.to_json(), lambda console: _render(report, console))
     if report.first_error is not None:
         raise report.first_error
+
+
+def flood_kernels_check() -> Check:
+    """Whether flood's compiled CPU kernels build and load here, and if not, why (flood then runs slower)."""
+    from lingctl.core.doctor import Check
+    from lingctl.flood import native
+
+    loaded = native.kernels()  # builds them on first use, as a flood run would
+    if loaded is not None:
+        how = "OpenMP" if loaded.openmp else "a thread pool"
+        return Check("flood-kernels", "ok", f"built and loaded ({how})", {"available": True, "reason": None})
+    reason = native.why_unavailable() or "unknown"
+    return Check(
+        "flood-kernels",
+        "warn",
+        f"unavailable: {reason}; flood uses torch's operators (slower)",
+        {"available": False, "reason": reason},
+    )
 
 
 def _render(report: DoctorReport, console: Console) -> None:

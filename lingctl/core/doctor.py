@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -303,8 +304,14 @@ def probe_store(store: ObjectStore, size: int) -> ProbeResult:
 
 
 def run_doctor(
-    *, s3: S3Options, disk_path: Path, probe_url: str | None = None, probe_size: int = 8 << 20
+    *,
+    s3: S3Options,
+    disk_path: Path,
+    probe_url: str | None = None,
+    probe_size: int = 8 << 20,
+    tool_checks: Sequence[Callable[[], Check]] = (),
 ) -> DoctorReport:
+    """``tool_checks``: the tools' own lines (flood's kernels), passed in so core imports no tool."""
     checks = [
         check_python(),
         check_torch(),
@@ -314,6 +321,13 @@ def run_doctor(
         check_rclone(),
         check_s3_endpoint(s3),
     ]
+    for check in tool_checks:
+        try:
+            checks.append(check())
+        except Exception as exc:  # a check never stops the report
+            checks.append(
+                Check(getattr(check, "__name__", "check"), "warn", f"not checked: {type(exc).__name__}: {exc}")
+            )
     from lingctl import __version__
 
     report = DoctorReport(lingctl=__version__, checks=checks)

@@ -2,37 +2,40 @@
 
 Both files are in the OpenAI Batch output format, one JSON object per line, appended as each request
 finishes. A line is flushed as soon as it is written, so a reader (or a crash) sees whole lines; fsync is
-rationed to one every ``FSYNC_EVERY_S`` and one at close, since per-line fsyncs would cost more than short
-generations. A crash may leave a torn last line; a resumed run cuts it and appends after the last complete
+rationed to one every ``jsonl_file.FSYNC_EVERY_S`` and one at close, since per-line fsyncs would cost more
+than short generations. A crash may leave a torn last line; a resumed run cuts it and appends after the last complete
 line, so complete lines are never rewritten, reordered, lost or duplicated.
 
 The manifest (``OUT.jsonl.manifest.json``) records what produced the output (model, settings, chat template,
-batch file). A resumed run must match it, otherwise one output would mix answers from two different runs.
+batch file), and what lingctl has written to each file (``written``: bytes and sha256). A resumed run must
+match the settings, otherwise one output would mix answers from two different runs, and the files must hold
+what was written: a resume never writes into, or cuts, a file it cannot show is its own (``jsonl_file``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
-import time
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.atomic import atomic_write
-from lingctl.core.errors import UsageError, VerificationError, os_error
+from lingctl.core.atomic import TMP_MARKER, atomic_write, is_stale_tmp, tmp_prefix
+from lingctl.core.errors import UsageError
+from lingctl.flood.jsonl_file import JsonlSink, Written, has_content, lstat_own, read_jsonl, read_own
 from lingctl.flood.requests import DUPLICATE_CUSTOM_ID
 
-log = logging.getLogger("lingctl.flood.batch_output")
-
-FSYNC_EVERY_S = 2.0
-# Manifest keys that differ between runs of the same job; compared only when listed in manifest["compare"].
-_TIMESTAMP_KEYS = frozenset({"created", "updated"})
+WRITTEN = "written"  # manifest key: role -> Written record of that file
+OUTPUT, ERRORS = "output", "errors"  # roles of flood run's two files
+# Manifest keys that differ between runs of the same job (timestamps, what was written so far); compared only
+# when listed in manifest["compare"].
+_UNCOMPARED_KEYS = frozenset({"created", "updated", WRITTEN})
 _OVERWRITE_HINT = "pass --resume to continue it, or choose another -o"
 _MISMATCH_HINT = "rerun with the settings of that run, or choose another -o"
+_RESUME_HINT = "fix or remove that line, then resume"
 # Manifest keys whose mismatch has a more specific next step than _MISMATCH_HINT.
 _KEY_HINTS = {
     "chat_template_sha256": "the chat template differs: pass the --chat-template of that run (or none, "
@@ -40,7 +43,6 @@ _KEY_HINTS = {
 }
 _SHOW_CHARS = 40
 _ABSENT = object()
-_BLANK: dict[str, Any] = {}  # the record of a blank line: kept, answers nothing
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,74 +76,49 @@ def default_paths(batch: Path, out: Path | None, errors: Path | None) -> tuple[P
     return out, errors
 
 
-class JsonlSink:
-    """One append-only JSONL file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "ab")
-        except OSError as exc:
-            raise os_error(exc, str(path)) from exc
-        self._synced = time.monotonic()
-
-    def write(self, record: dict[str, Any]) -> None:
-        data = _dumps(record)
-        try:
-            self._f.write(data)
-            self._f.flush()
-            now = time.monotonic()
-            if now - self._synced >= FSYNC_EVERY_S:
-                os.fsync(self._f.fileno())
-                self._synced = now
-        except OSError as exc:
-            raise os_error(exc, str(self.path)) from exc
-
-    def close(self) -> None:
-        if self._f.closed:
-            return
-        try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        except OSError as exc:
-            raise os_error(exc, str(self.path)) from exc
-        finally:
-            self._f.close()
-
-
 class BatchOutput:
     """The two files of one run. Without ``resume`` it refuses to touch an earlier run's files; with it, it
-    checks the manifest, reads what was answered into ``state`` and appends. One writer at a time."""
+    checks the manifest, reads what was answered into ``state`` and appends. One writer at a time.
+
+    The manifest is rewritten whenever a file's ``Written`` record changes (see ``jsonl_file``)."""
 
     def __init__(self, out: Path, errors: Path, manifest: dict[str, Any], *, resume: bool) -> None:
         self.out = Path(out)
         self.errors = Path(errors)
         self.manifest_path = manifest_path(self.out)
         self.state = ResumeState()
-        if not resume:
-            for path in (self.out, self.errors, self.manifest_path):
-                if has_content(path):
-                    raise UsageError(f"{path} already exists and is not empty", hint=_OVERWRITE_HINT)
-        if resume and has_content(self.manifest_path):
-            self._check_manifest(manifest)
-            _scan(self.out, self.state, errors_file=False)
-            _scan(self.errors, self.state, errors_file=True)
-        elif resume and (has_content(self.out) or has_content(self.errors)):
-            raise UsageError(
-                f"{self.out} has no manifest ({self.manifest_path.name}), so nothing tells which run wrote it",
-                hint="choose another -o, or move the old output away",
-            )
+        saved = earlier_run(self.out, self.errors, manifest, resume=resume)
+        sweep_manifest_tmp(self.manifest_path)
+        if saved is None:
+            self._manifest = json.loads(json.dumps(manifest))
+            self._save_manifest()
         else:
-            with atomic_write(self.manifest_path) as (_, f):
-                f.write(json.dumps(manifest, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+            self._manifest = saved
         # Both files exist from the start, so the user sees where the answers go.
-        self._out = JsonlSink(self.out)
+        self._out = self._sink(self.out, OUTPUT, errors_file=False)
         try:
-            self._errors = JsonlSink(self.errors)
+            self._errors = self._sink(self.errors, ERRORS, errors_file=True)
         except BaseException:
             self._out.close()
             raise
+
+    def _sink(self, path: Path, role: str, *, errors_file: bool) -> JsonlSink:
+        sink = JsonlSink.open(
+            path,
+            proof=proof_of(self._manifest, role),
+            on_record=_collector(self.state, errors_file),
+            valid=_valid,
+            hint=_RESUME_HINT,
+            on_sync=lambda written: self._record(role, written),
+        )
+        self.state.torn_bytes += sink.torn
+        return sink
+
+    def _record(self, role: str, written: Written) -> None:
+        record_written(self.manifest_path, self._manifest, role, written)
+
+    def _save_manifest(self) -> None:
+        save_manifest(self.manifest_path, self._manifest)
 
     def write_result(self, custom_id: str, body: dict[str, Any]) -> None:
         """A finished request; ``body`` is the completion or chat completion object."""
@@ -188,26 +165,113 @@ class BatchOutput:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_manifest(self, manifest: dict[str, Any]) -> None:
-        check_manifest(self.manifest_path, manifest, self.out)
+
+def earlier_run(out: Path, errors: Path, manifest: dict[str, Any], *, resume: bool) -> dict[str, Any] | None:
+    """The saved manifest of the earlier run a resume continues (checked against ``manifest``); None for a
+    fresh start. Refuses an earlier run's files without ``resume``, and files with no manifest beside them."""
+    path = manifest_path(out)
+    for p in (out, errors):  # a link or a file that is not ours is refused before anything is created
+        lstat_own(p, sole_link=True)
+    if not resume:
+        for p in (out, errors, path):
+            if has_content(p):
+                raise UsageError(f"{p} already exists and is not empty", hint=_OVERWRITE_HINT)
+        return None
+    if has_content(path):
+        saved = read_manifest(path)
+        check_manifest(saved, manifest, out)
+        return saved
+    if has_content(out) or has_content(errors):
+        raise UsageError(
+            f"{out} has no manifest ({path.name}), so nothing tells which run wrote it",
+            hint="choose another -o, or move the old output away",
+        )
+    return None
 
 
-def check_manifest(path: Path, manifest: dict[str, Any], out: Path) -> None:
-    """UsageError unless the manifest saved at ``path`` (of the output ``out``) matches ``manifest`` on its
-    ``compare`` keys (all keys but timestamps when it lists none)."""
+def preview_resume(out: Path, errors: Path, manifest: dict[str, Any]) -> ResumeState:
+    """What ``--resume`` would find answered, read with the same checks and without changing a byte (a torn
+    last line is left for the real run to cut)."""
+    state = ResumeState()
+    saved = earlier_run(out, errors, manifest, resume=True)
+    if saved is None:
+        return state
+    for path, role, on_record in ((out, OUTPUT, _collector(state, False)), (errors, ERRORS, _collector(state, True))):
+        state.torn_bytes += read_jsonl(
+            path,
+            on_record,
+            valid=_valid,
+            hint=_RESUME_HINT,
+            proof=proof_of(saved, role),
+            require_proof=True,
+            torn_is_damage=False,
+        )
+    return state
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The JSON object saved at ``path``, read only when it is a regular file of this user (never through a
+    link): UsageError otherwise."""
+    data = read_own(path)
+    if data is None:
+        raise UsageError(f"{path} was removed while lingctl read it", hint="run the same command again")
     try:
-        saved = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise os_error(exc, str(path)) from exc
+        saved = json.loads(data)
     except ValueError as exc:
         raise UsageError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(saved, dict):
         raise UsageError(f"{path} is not a JSON object")
+    return saved
+
+
+def sweep_manifest_tmp(path: Path) -> None:
+    """Remove the temporary files that killed writers of the manifest at ``path`` left beside it: only regular
+    files of this user with exactly lingctl's temporary name for it, whose writer is dead. The manifest is
+    rewritten while a run writes, so a kill can land inside one of its atomic writes."""
+    prefix = tmp_prefix(path.name).split(TMP_MARKER)[0] + TMP_MARKER
+    try:
+        with os.scandir(path.parent) as entries:
+            leftovers = [entry for entry in entries if entry.name.startswith(prefix)]
+    except OSError:
+        return  # housekeeping: never the reason a run fails
+    for entry in leftovers:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and is_stale_tmp(entry.name, st.st_mtime):
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def save_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest whole; the rename replaces whatever was at ``path`` (a link is replaced, not followed)."""
+    with atomic_write(path) as (_, f):
+        f.write(json.dumps(manifest, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def record_written(path: Path, manifest: dict[str, Any], role: str, written: Written) -> None:
+    """Set the ``Written`` record of the file ``role`` in ``manifest`` and save it at ``path``."""
+    records = manifest.get(WRITTEN)
+    if not isinstance(records, dict):  # none yet, or a saved one that is not a record
+        records = manifest[WRITTEN] = {}
+    records[role] = written.to_json()
+    save_manifest(path, manifest)
+
+
+def proof_of(manifest: dict[str, Any], role: str) -> Written | None:
+    """The ``Written`` record of the file ``role`` in a saved manifest (None when it has none)."""
+    written = manifest.get(WRITTEN)
+    return Written.from_json(written.get(role)) if isinstance(written, dict) else None
+
+
+def check_manifest(saved: dict[str, Any], manifest: dict[str, Any], out: Path) -> None:
+    """UsageError unless the ``saved`` manifest (of the output ``out``) matches ``manifest`` on its ``compare``
+    keys (all keys but timestamps and write records when it lists none)."""
     # Through JSON and back, so a tuple here equals the list that was saved.
     wanted = json.loads(json.dumps(manifest))
     keys = wanted.get("compare")
     if keys is None:
-        keys = [k for k in {**wanted, **saved} if k not in _TIMESTAMP_KEYS]
+        keys = [k for k in {**wanted, **saved} if k not in _UNCOMPARED_KEYS]
     for key in keys:
         before, now = saved.get(key, _ABSENT), wanted.get(key, _ABSENT)
         if before is _ABSENT and now is not _ABSENT:
@@ -223,69 +287,12 @@ def check_manifest(path: Path, manifest: dict[str, Any], out: Path) -> None:
             )
 
 
-def _scan(path: Path, state: ResumeState, *, errors_file: bool) -> None:
-    """Add what ``path`` answers to ``state``; cut a torn last line (a crash mid-write)."""
-    state.torn_bytes += scan_jsonl(
-        path,
-        lambda record: _collect(record, state, errors_file=errors_file),
-        valid=lambda record: isinstance(record.get("custom_id", _ABSENT), (str, type(None))),
-        hint="fix or remove that line, then resume",
-    )
+def _valid(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("custom_id", _ABSENT), (str, type(None)))
 
 
-def scan_jsonl(
-    path: Path,
-    on_record: Callable[[dict[str, Any]], None],
-    *,
-    valid: Callable[[dict[str, Any]], bool] = lambda record: True,
-    hint: str,
-) -> int:
-    """Pass every complete record of an append-only JSONL file to ``on_record``, and cut a torn last line (a
-    crash mid-write): the bytes cut. A bad line before the last is damage, not a crash: VerificationError."""
-    try:
-        f = open(path, "r+b")
-    except FileNotFoundError:
-        return 0
-    except OSError as exc:
-        raise os_error(exc, str(path)) from exc
-    with f:
-        good_end = end = 0  # offsets past the last complete record and past the last byte
-        bad_line = 0  # number of an unreadable line; fatal unless it is the last one
-        for number, raw in enumerate(f, start=1):
-            if bad_line:
-                raise VerificationError(
-                    f"{path}: line {bad_line} is not a complete JSON record, so the requests it answered are unknown",
-                    hint=hint,
-                )
-            end += len(raw)
-            record = _record(raw)
-            if record is None or (record is not _BLANK and not valid(record)):
-                bad_line = number
-                continue
-            good_end = end
-            if record is not _BLANK:
-                on_record(record)
-        if end > good_end:
-            try:
-                f.truncate(good_end)
-                os.fsync(f.fileno())
-            except OSError as exc:
-                raise os_error(exc, str(path)) from exc
-            log.warning("%s: cut %d bytes of a torn last line", path, end - good_end)
-        return end - good_end
-
-
-def _record(raw: bytes) -> dict[str, Any] | None:
-    """A complete line's record, ``_BLANK`` for a blank line, None for a torn or unreadable one."""
-    if not raw.endswith(b"\n"):
-        return None  # every record is written with its newline in one write: no newline, not finished
-    if raw.isspace():
-        return _BLANK
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
+def _collector(state: ResumeState, errors_file: bool) -> Callable[[dict[str, Any]], None]:
+    return lambda record: _collect(record, state, errors_file=errors_file)
 
 
 def _collect(record: dict[str, Any], state: ResumeState, *, errors_file: bool) -> None:
@@ -300,26 +307,8 @@ def _collect(record: dict[str, Any], state: ResumeState, *, errors_file: bool) -
         state.done.add(cid)
 
 
-def has_content(path: Path) -> bool:
-    """The file exists and is not empty."""
-    try:
-        return path.stat().st_size > 0
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise os_error(exc, str(path)) from exc
-
-
 def _new_id() -> str:
     return "batch_req_" + secrets.token_hex(12)
-
-
-def _dumps(record: dict[str, Any]) -> bytes:
-    try:
-        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate (a custom_id written as "\ud800" in the batch) has no UTF-8 form; escapes do.
-        return (json.dumps(record) + "\n").encode("ascii")
 
 
 def _show(value: Any) -> str:

@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError, os_error
-from lingctl.flood.batch_output import JsonlSink, check_manifest, has_content, manifest_path, scan_jsonl
+from lingctl.flood.batch_output import (
+    OUTPUT,
+    check_manifest,
+    manifest_path,
+    proof_of,
+    read_manifest,
+    record_written,
+    save_manifest,
+    sweep_manifest_tmp,
+)
 from lingctl.flood.eval_tasks import Task
+from lingctl.flood.jsonl_file import JsonlSink, Written, dumps_line, has_content, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +40,7 @@ FORMAT = "lingctl-eval"
 VERSION = 1
 ENGINE_VERSION = "flood/1"
 _HINT = "choose another -o, or move the old output away"
+JOURNAL = "journal"  # the manifest's record of OUT.partial (and OUTPUT of OUT itself)
 
 
 def eval_manifest(
@@ -71,16 +83,16 @@ def journal_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def _ours(path: Path) -> bool:
-    """The manifest at ``path`` was written by flood eval."""
-    try:
-        return json.loads(path.read_bytes()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+def _valid(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("task"), str) and isinstance(record.get("id"), str)
 
 
 class ResultsFile:
-    """One model's results. ``done`` holds the records already written (all of them when ``complete``)."""
+    """One model's results. ``done`` holds the records already written (all of them when ``complete``).
+
+    The manifest records what lingctl wrote to the journal and to the output (``jsonl_file.Written``): the
+    journal is continued, cut or removed only when it is that file, and a reused output must hold those bytes.
+    """
 
     def __init__(self, out: Path, manifest: dict[str, Any]) -> None:
         self.out = Path(out)
@@ -89,41 +101,56 @@ class ResultsFile:
         self.done: list[dict[str, Any]] = []
         self.complete = False
         self._sink: JsonlSink | None = None
-        has_manifest = has_content(self.manifest_path)
-        if has_manifest and not _ours(self.manifest_path):
+        self._journal_id: tuple[int, int] | None = None  # (device, inode) of the journal this process wrote
+        saved = read_manifest(self.manifest_path) if has_content(self.manifest_path) else None
+        if saved is not None and saved.get("format") != FORMAT:
             raise UsageError(f"{self.manifest_path} was not written by lingctl flood eval", hint=_HINT)
         if has_content(self.out):
-            if not has_manifest:
+            if saved is None:
                 raise UsageError(
                     f"{self.out} already exists and has no manifest ({self.manifest_path.name}), so lingctl did not "
                     "write it",
                     hint=_HINT,
                 )
-            check_manifest(self.manifest_path, manifest, self.out)
-            self._read(self.out)
+            check_manifest(saved, manifest, self.out)
+            # Written whole by a rename: a torn line here is damage, and nothing is cut.
+            read_jsonl(
+                self.out,
+                self.done.append,
+                valid=_valid,
+                hint=_HINT,
+                proof=proof_of(saved, OUTPUT),
+                require_proof=False,
+                torn_is_damage=True,
+            )
             self.complete = True
             return
+        sweep_manifest_tmp(self.manifest_path)
         if has_content(self.journal):
-            if not has_manifest:
+            if saved is None:
                 raise UsageError(f"{self.journal} has no manifest beside it", hint=_HINT)
-            check_manifest(self.manifest_path, manifest, self.out)
-            self._read(self.journal)
+            check_manifest(saved, manifest, self.out)
+            self._manifest = saved
+            self._open_journal()
             log.info("%s: continuing after %d items already evaluated", self.out, len(self.done))
         else:
             try:
                 self.out.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise os_error(exc, str(self.out.parent)) from exc
-            with atomic_write(self.manifest_path) as (_, f):
-                f.write(json.dumps(manifest, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+            self._manifest = json.loads(json.dumps(manifest))
+            save_manifest(self.manifest_path, self._manifest)
 
-    def _read(self, path: Path) -> None:
-        scan_jsonl(
-            path,
-            self.done.append,
-            valid=lambda r: isinstance(r.get("task"), str) and isinstance(r.get("id"), str),
+    def _open_journal(self) -> None:
+        self._sink = JsonlSink.open(
+            self.journal,
+            proof=proof_of(self._manifest, JOURNAL),
+            on_record=self.done.append,
+            valid=_valid,
             hint="fix or remove that line, then run again",
+            on_sync=lambda written: record_written(self.manifest_path, self._manifest, JOURNAL, written),
         )
+        self._journal_id = self._sink.identity
 
     @property
     def done_keys(self) -> set[tuple[str, str]]:
@@ -131,7 +158,8 @@ class ResultsFile:
 
     def append(self, record: dict[str, Any]) -> None:
         if self._sink is None:
-            self._sink = JsonlSink(self.journal)
+            self._open_journal()
+        assert self._sink is not None
         self._sink.write(record)
         self.done.append(record)
 
@@ -139,15 +167,29 @@ class ResultsFile:
         """Write the output whole, in task-file order, then drop the journal; the ordered records."""
         ordered = order_records(tasks, self.done)
         self.close()
+        data = b"".join(dumps_line(record) for record in ordered)
+        # Recorded before the rename: a crash in between leaves the journal, and the next run continues from it.
+        record_written(self.manifest_path, self._manifest, OUTPUT, Written.of(data))
         with atomic_write(self.out) as (_, f):
-            for record in ordered:
-                f.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
-        try:
-            self.journal.unlink(missing_ok=True)
-        except OSError as exc:
-            raise os_error(exc, str(self.journal)) from exc
+            f.write(data)
+        self._remove_journal()
         self.done, self.complete = ordered, True
         return ordered
+
+    def _remove_journal(self) -> None:
+        """Remove the journal if it is still the file this process wrote (nothing else lingctl did not write)."""
+        if self._journal_id is None:
+            return
+        try:
+            st = os.lstat(self.journal)
+            if (st.st_dev, st.st_ino) != self._journal_id:
+                log.warning("%s was replaced while the evaluation ran; it is left as it is", self.journal)
+                return
+            self.journal.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise os_error(exc, str(self.journal)) from exc
 
     def close(self) -> None:
         if self._sink is not None:

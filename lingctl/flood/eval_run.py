@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from lingctl.flood.eval_model import ModelEvaluation, open_model, task_scores
 from lingctl.flood.eval_output import ResultsFile, eval_manifest, order_records
 from lingctl.flood.eval_report import CheckpointScores, Drop, TaskScore, find_drops, plot_scores, write_table
 from lingctl.flood.eval_tasks import Task, read_tasks
+from lingctl.flood.jsonl_file import lstat_own
 from lingctl.flood.options import EngineOptions
 from lingctl.train.checkpoints import is_run_dir, list_checkpoints, run_finished
 
@@ -175,22 +178,22 @@ def evaluate_one(
         if files.complete:
             result.reused = True
             return _finish_result(result, tasks, files.done)
-    evaluation = ModelEvaluation(
-        md,
-        codec,
-        tasks,
-        num_fewshot=opts.num_fewshot,
-        engine=opts.engine,
-        skip=files.done_keys if files is not None else None,
-    )
     records: list[dict[str, Any]] = list(files.done) if files is not None else []
-    total = len(records) + evaluation.items
+    try:  # a continued journal is open from here on
+        evaluation = ModelEvaluation(
+            md,
+            codec,
+            tasks,
+            num_fewshot=opts.num_fewshot,
+            engine=opts.engine,
+            skip=files.done_keys if files is not None else None,
+        )
+        total = len(records) + evaluation.items
 
-    def step_cb(stats: EngineStats) -> None:
-        if on_progress is not None:
-            on_progress(Progress(label=label, items_done=len(records), items=total, stats=stats))
+        def step_cb(stats: EngineStats) -> None:
+            if on_progress is not None:
+                on_progress(Progress(label=label, items_done=len(records), items=total, stats=stats))
 
-    try:
         for record in evaluation.records(should_stop=should_stop, on_step=step_cb):
             records.append(record)
             if files is not None:
@@ -301,14 +304,31 @@ def _report(summary: EvalSummary, out: Path, k: float) -> None:
 
 def _own_dir(out: Path, run: Path) -> None:
     """A new (or empty) directory gets lingctl's marker; one with the marker is ours to write into; any other
-    directory with files in it is refused."""
+    directory with files in it is refused, as is a link, or a directory or marker of another user."""
     marker = out / DIR_MARKER
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} is a file; a run's evaluation needs a directory", hint="pass -o DIR")
-    if marker.exists():
-        return
     try:
-        if out.exists() and any(out.iterdir()):
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise os_error(exc, str(out)) from exc
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise UsageError(
+                f"{out} is a symbolic link; lingctl writes a run's evaluation only into a directory it made",
+                hint="pass -o DIR",
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{out} is a file; a run's evaluation needs a directory", hint="pass -o DIR")
+        if st.st_uid != os.geteuid():
+            raise UsageError(
+                f"{out} belongs to uid {st.st_uid}, not to uid {os.geteuid()}, so lingctl did not make it",
+                hint="choose another -o",
+            )
+        if lstat_own(marker) is not None:
+            return
+    try:
+        if st is not None and any(out.iterdir()):
             raise UsageError(
                 f"{out} already has files that lingctl flood eval did not write",
                 hint="choose another -o (lingctl never writes into a directory it did not make)",

@@ -121,8 +121,12 @@ def _read_task(path: Path, regex: str | None) -> Task:
         where = f"{path}:{number}"
         try:
             obj = json.loads(raw)
+            if isinstance(obj, dict):
+                _check_unicode(obj, where)
         except (ValueError, UnicodeDecodeError) as exc:
             raise UsageError(f"{where}: not a JSON object ({exc})") from None
+        except RecursionError:
+            raise UsageError(f"{where}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: not a JSON object")
         item = _item(obj, name, number, where, regex)
@@ -212,6 +216,34 @@ def _item(obj: dict[str, Any], task: str, line: int, where: str, default_regex: 
     raise UsageError(
         f"{where}: neither a multiple-choice item (context, choices, answer) nor a generation item (prompt, answer)"
     )
+
+
+def _check_unicode(obj: dict[str, Any], where: str) -> None:
+    """Refuse a line whose text is not valid Unicode. JSON's ``"\\ud800"`` escape decodes to a lone surrogate,
+    which has no UTF-8 form: the tokenizer, the results file and the terminal would each fail on it later."""
+    for key, value in obj.items():
+        if _lone_surrogate(key) is not None:
+            raise UsageError(f"{where}: a field name is not valid Unicode: a lone surrogate {_lone_surrogate(key)}")
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            raise UsageError(f"{where}: '{printable(key)}' is not valid Unicode: a lone surrogate {bad}")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The escape (``\\ud800``) of the first lone surrogate in ``value``'s strings, lists and objects; None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return ascii(value[exc.start])[1:-1]
+        return None
+    if isinstance(value, list):
+        return next((bad for v in value if (bad := _lone_surrogate(v)) is not None), None)
+    if isinstance(value, dict):
+        return next((bad for kv in value.items() for v in kv if (bad := _lone_surrogate(v)) is not None), None)
+    return None
 
 
 def _only(obj: dict[str, Any], allowed: set[str], where: str) -> None:

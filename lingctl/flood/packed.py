@@ -33,14 +33,15 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
 ROWS_HINT = 64
 
 
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    """oneDNN linear ops exist in this torch build and work (x86 CPU builds; not every platform has them)."""
+@functools.lru_cache(maxsize=4)
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN linear ops exist in this torch build and work for ``dtype`` (x86 CPU builds; not every platform
+    has them, and bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU refuses it)."""
     try:
-        w = torch.ones(8, 8)
+        w = torch.ones(8, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(4, 8), packed, None, "none", [], "")
-        return bool(torch.equal(y, torch.full((4, 8), 8.0)))
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(4, 8, dtype=dtype), packed, None, "none", [], "")
+        return bool(torch.equal(y, torch.full((4, 8), 8.0, dtype=dtype)))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -52,7 +53,7 @@ class PackedLinear:
         self.out_features, self.in_features = weight_OI.shape
         self.bias = bias.detach() if bias is not None else None
         with torch.no_grad():
-            if available() and weight_OI.dtype in (torch.float32, torch.bfloat16):
+            if weight_OI.dtype in (torch.float32, torch.bfloat16) and available(weight_OI.dtype):
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight_OI.detach(), ROWS_HINT)
                 self.packed = True
             else:

@@ -67,7 +67,7 @@ def engine_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -
         from lingctl.flood.packed import available
     except ImportError:  # an engine without packed linears
         return 0
-    if dtype not in (torch.float32, torch.bfloat16) or not available():
+    if dtype not in (torch.float32, torch.bfloat16) or not available(dtype):
         return 0
     d = config.hidden_size
     head = config.vocab_size * d

@@ -29,7 +29,7 @@ import torch
 from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
 from lingctl.core.hub import parse_repo_id, resolve_model_dir
 from lingctl.core.names import printable
-from lingctl.flood.batch_output import BatchOutput, default_paths
+from lingctl.flood.batch_output import BatchOutput, ResumeState, default_paths, preview_resume
 from lingctl.flood.chat_template import TemplateLimits
 from lingctl.flood.engine import (
     Engine,
@@ -225,10 +225,13 @@ def run_batch(
     )
 
     output: BatchOutput | None = None
-    if not opts.dry_run:  # a dry run opens no files; it plans for the whole batch
+    state = ResumeState()
+    if not opts.dry_run:
         output = BatchOutput(out, errors, _manifest(opts, md, opts.batch.name, template), resume=opts.resume)
-    done = output.state.done if output is not None else set()
-    reported = output.state.error_lines if output is not None else set()
+        state = output.state
+    elif opts.resume:  # a dry run changes no file, but plans only what the resume would still answer
+        state = preview_resume(out, errors, _manifest(opts, md, opts.batch.name, template))
+    done, reported = state.done, state.error_lines
     try:
         if output is not None:
             for err in batch.errors:

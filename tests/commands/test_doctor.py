@@ -51,6 +51,28 @@ def test_human_report(capsys) -> None:
     assert "torch" in out and "rclone" in out
 
 
+def test_doctor_says_why_flood_runs_without_its_kernels(capsys, tmp_path, monkeypatch) -> None:
+    from lingctl.flood import native
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)  # the private-directory check refuses a cache others can write
+    monkeypatch.setenv("LINGCTL_CACHE_DIR", str(cache))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    native.kernels.cache_clear()
+    try:
+        code, out, err = cli(capsys, "doctor", "--json", "--path", str(tmp_path))
+        human_code, human, _ = cli(capsys, "doctor", "--path", str(tmp_path))
+    finally:
+        native.kernels.cache_clear()
+    assert code == 0 and human_code == 0, err  # a warning: flood still runs, slower
+    check = {c["name"]: c for c in json.loads(out)["checks"]}["flood-kernels"]
+    assert check["status"] == "warn" and check["data"]["available"] is False
+    assert f"{cache} is open to other users" in check["data"]["reason"] and "slower" in check["detail"]
+    line = next(line for line in human.splitlines() if line.startswith("flood-kernels"))
+    assert "WARN" in line and "unavailable" in line
+
+
 @pytest.mark.slow
 def test_probe_round_trip_through_s3(capsys, s3_env, s3_bucket, s3_server) -> None:
     code, out, err = cli(capsys, "doctor", "--json", "--probe", f"s3://{s3_bucket}/probe", "--probe-size", "2MiB")

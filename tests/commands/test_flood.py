@@ -350,6 +350,24 @@ def test_dry_run_plans_ling_lite_from_its_config_alone(capsys, tmp_path):
     assert code == 1 and "--kv-cache-tokens" in err
 
 
+def test_dry_run_resume_counts_what_is_already_answered_and_changes_nothing(capsys, tiny_ckpt, tmp_path):
+    batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5 + i, 6], 2) for i in range(3)])
+    code, _, err = cli(capsys, "flood", "run", str(batch), "--model", str(tiny_ckpt))
+    assert code == 0, err
+    write_batch(batch, [greedy(f"r{i}", [5 + i, 6], 2) for i in range(5)])  # two more requests
+    with open(tmp_path / "b.output.jsonl", "ab") as f:  # and a torn line, as a crash leaves one
+        f.write(b'{"id": "batch_req_x", "custom_id": "r3", "resp')
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    args = ("flood", "run", str(batch), "--model", str(tiny_ckpt), "--dry-run", "--resume")
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["requests"], summary["already_done"]) == (5, 3)
+    code, out, err = cli(capsys, *args)
+    assert code == 0 and "5 requests (0 invalid lines, 3 already answered)" in out, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files  # the torn line is left for the run
+
+
 def test_stages_2_gives_the_same_answers_as_one(lingctl, tiny_ckpt, tmp_path):
     batch = write_batch(tmp_path / "b.jsonl", [greedy(f"r{i}", [5 + i] * (3 + 7 * i), 10) for i in range(6)])
     one = lingctl("flood", "run", str(batch), "--model", str(tiny_ckpt), "-o", str(tmp_path / "one.jsonl"))

@@ -127,6 +127,11 @@ def test_refusals_are_one_line(text_ckpt, tiny_ckpt, tasks, tmp_path, capsys):
     bad.write_text('{"id": "a", "prompt": "x"}\n')
     code, _, err = cli(capsys, "flood", "eval", str(bad), "-m", str(text_ckpt))
     assert code == 2 and f"{bad}:1: 'answer' must be a string" in err and "Traceback" not in err
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"id": "a\\ud800", "context": "x", "choices": [" y", " z"], "answer": 0}\n')
+    code, _, err = cli(capsys, "flood", "eval", str(surrogate), "-m", str(text_ckpt))
+    assert code == 2 and f"{surrogate}:1: 'id' is not valid Unicode: a lone surrogate \\ud800" in err
+    assert len(err.strip().splitlines()) == 1 and "internal error" not in err
     code, _, err = cli(capsys, "flood", "eval", str(tmp_path / "none.jsonl"), "-m", str(text_ckpt))
     assert code == 3 and "none.jsonl" in err
     code, _, err = cli(capsys, "flood", "eval", str(tasks[0]), "-m", str(tiny_ckpt), "-o", str(tmp_path / "o.jsonl"))

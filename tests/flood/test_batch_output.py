@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -115,14 +116,16 @@ def test_a_custom_id_with_a_lone_surrogate_stays_valid_json(tmp_path: Path) -> N
 
 def test_error_records_with_lone_surrogates_and_raw_surrogate_bytes_resume(tmp_path: Path) -> None:
     """Nothing a record can hold stops writing or resuming: a lone surrogate in an error message, and a line
-    whose custom_id is a surrogate in raw (CESU-style) bytes, as another writer could leave it."""
+    whose custom_id is a surrogate in raw (CESU-style) bytes, as another writer could leave it after lingctl's
+    own lines."""
     with _open(tmp_path) as out:
+        out.write_result("r1", BODY)
         out.write_error(custom_id="e\udfff", line=2, code="invalid_request", message="bad \ud800 text")
     assert _records(tmp_path / "b.errors.jsonl")[0]["error"]["message"] == "bad \ud800 text"
     with open(tmp_path / "b.output.jsonl", "ab") as f:
         f.write(b'{"id": "batch_req_raw", "custom_id": "raw\xed\xa0\x80", "response": null, "error": null}\n')
     with _open(tmp_path, resume=True) as out:
-        assert out.state.done == {"e\udfff", "raw\ud800"} and out.state.error_lines == {2}
+        assert out.state.done == {"r1", "e\udfff", "raw\ud800"} and out.state.error_lines == {2}
         out.write_result("next", BODY)
     assert _records(tmp_path / "b.output.jsonl")[-1]["custom_id"] == "next"
 
@@ -167,7 +170,12 @@ def test_resume_appends_and_keeps_every_byte(tmp_path: Path) -> None:
     assert after[0].startswith(before[0]) and after[1].startswith(before[1])
     assert [r["custom_id"] for r in _records(tmp_path / "b.output.jsonl")] == ["r1", "r2", "r7"]
     assert _records(tmp_path / "b.errors.jsonl")[-1]["custom_id"] == "r8"
-    assert (tmp_path / "b.output.jsonl.manifest.json").read_bytes() == manifest_before
+    # The settings stay those of the first run; only the record of what was written grows.
+    manifest_after = json.loads((tmp_path / "b.output.jsonl.manifest.json").read_bytes())
+    written = manifest_after.pop("written")
+    assert manifest_after == {k: v for k, v in json.loads(manifest_before).items() if k != "written"}
+    assert written["output"] == {"bytes": len(after[0]), "sha256": hashlib.sha256(after[0]).hexdigest()}
+    assert written["errors"] == {"bytes": len(after[1]), "sha256": hashlib.sha256(after[1]).hexdigest()}
 
 
 @pytest.mark.parametrize(

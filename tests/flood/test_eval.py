@@ -178,6 +178,11 @@ def test_an_interrupted_evaluation_continues_and_ends_with_the_same_file(text_ck
         ('{"id": "a", "prompt": "x", "answer": "3", "temperature": 1}', "unknown field"),
         ('{"context": "x", "choices": ["y", "z"], "answer": 0}', "'id'"),
         ('{"id": "a", "text": "x"}', "neither"),
+        # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer or output file can take.
+        ('{"id": "a", "context": "x\\ud800", "choices": [" y", " z"], "answer": 0}', "'context' is not valid Unicode"),
+        ('{"id": "a\\udc00", "prompt": "x", "answer": "3"}', "'id' is not valid Unicode"),
+        ('{"id": "a", "prompt": "x", "answer": "3", "stop": ["\\ud800"]}', "'stop' is not valid Unicode"),
+        ('{"id": "a", "prompt": "x", "answer": "3", "z": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
     ],
 )
 def test_a_bad_task_line_is_named(tmp_path, line, message):

@@ -3,7 +3,9 @@ rest of the call, the engine's tokens unchanged, and torch's path when they are 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lingctl.cli import run as cli_run
 from lingctl.flood import native
 from lingctl.flood.engine import Engine, EngineConfig, GenRequest
 from lingctl.flood.sampling import SamplingParams
@@ -177,3 +180,41 @@ def test_the_kernels_share_torchs_openmp_runtime(kernels):
     assert len(runtimes) <= 1, runtimes
     if kernels.openmp:
         assert runtimes
+
+
+@pytest.mark.parametrize("place", ["open to others", "another user's", "no ~/.cache"])
+def test_a_refused_cache_directory_is_said_once_and_the_run_still_answers(
+    capsys, tiny_ckpt, tmp_path, monkeypatch, place
+):
+    """Falling back to torch's operators costs speed, so it is one warning per process saying why; the doctor
+    line for it: tests/commands/test_doctor.py."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if place == "open to others":
+        cache.chmod(0o777)
+    elif place == "another user's":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(cache, 65534, 65534)
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    if place == "no ~/.cache":
+        monkeypatch.delenv("LINGCTL_CACHE_DIR", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))  # a home without .cache/
+    else:
+        monkeypatch.setenv("LINGCTL_CACHE_DIR", str(cache))
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(
+        "".join(json.dumps({"custom_id": f"r{i}", "prompt": [5, 6 + i], "max_tokens": 2}) + "\n" for i in range(2))
+    )
+    native.kernels.cache_clear()
+    try:
+        code = cli_run(["flood", "run", str(batch), "--model", str(tiny_ckpt), "--threads", "1"])
+    finally:
+        native.kernels.cache_clear()  # the next user builds or loads them again, in its own cache
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("native kernels are unavailable") == 1, err
+    reason = {"open to others": "open to other users", "another user's": "belongs to uid 65534"}
+    assert reason.get(place, "no such file or directory") in err and "slower" in err
+    assert len((tmp_path / "b.output.jsonl").read_text().splitlines()) == 2  # answered all the same
+    assert not (tmp_path / ".cache").exists() and not any(cache.iterdir())  # nothing made where it was refused

@@ -363,6 +363,25 @@ def test_read_batch_line_numbers_blank_lines_and_bad_lines(tmp_path: Path) -> No
     assert '"r1"' in batch.errors[2].message
 
 
+def test_lone_surrogates_fail_only_their_own_lines_in_one_line_of_valid_text(tmp_path: Path) -> None:
+    """JSON's "\\ud800" escapes, written by json.dumps: a field that is used fails its request alone; one that is
+    ignored (``user``, a message's ``name``) costs nothing; a value shown in a message is shown escaped."""
+    lines = [
+        {"custom_id": "ok", "prompt": "x"},
+        {"custom_id": "prompt", "prompt": "a\ud800"},
+        {"custom_id": "ignored", "prompt": "x", "user": "\udc00", "\ud800": 1},
+        {"custom_id": "name", "messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+        {"custom_id": "shown", "prompt": "x", "n": "\ud800"},
+        {"custom_id": "\ud800", "prompt": "x"},
+    ]
+    batch = read_batch(_write(tmp_path, "".join(json.dumps(x) + "\n" for x in lines).encode()))
+    assert [r.custom_id for r in batch.requests] == ["ok", "ignored", "name"]
+    assert [(e.line, e.custom_id) for e in batch.errors] == [(2, "prompt"), (5, "shown"), (6, None)]
+    for error in batch.errors:
+        assert "\n" not in error.message and error.message.encode("utf-8")
+    assert batch.errors[1].message == 'n="\\ud800": only n=1 is supported'
+
+
 def test_a_rejected_line_still_claims_its_custom_id(tmp_path: Path) -> None:
     # Otherwise the output would hold an error and an answer for the same custom_id.
     lines = [{"custom_id": "a", "prompt": "x", "n": 2}, {"custom_id": "a", "prompt": "x"}]

@@ -8,8 +8,10 @@ experts and the requests themselves, reading each weight row once per 8 rows, in
 Built on first use with the system C compiler (``cc -O3 -march=native``, well under a second) into
 lingctl's private cache directory (``$LINGCTL_CACHE_DIR/native``, created 0700 and owner-checked), keyed by
 the source, the compiler and the CPU, and loaded with ctypes (the GIL is released during a call). Where
-there is no compiler, the build fails, or ``LINGCTL_FLOOD_NATIVE=0`` is set, ``kernels()`` returns None
-and flood uses torch's operators, computing the same function to rounding.
+there is no compiler, the build fails, the cache directory is refused or cannot be made, or
+``LINGCTL_FLOOD_NATIVE=0`` is set, ``kernels()`` returns None and flood uses torch's operators, computing the
+same function to rounding. Falling back costs speed, so it is said once per process as a warning (unless
+switched off on purpose), and ``why_unavailable()`` tells ``lingctl doctor`` the reason.
 
 Only the source shipped here is compiled: nothing read from models or batches ever reaches the compiler.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lingctl.core.errors import LingctlError
 from lingctl.core.private_dir import ensure_private_dir
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,13 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # row's sums do not depend on how the compiler vectorised the loop that computed them.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-fPIC", "-shared", "-std=gnu11"]
 ENV_SWITCH = "LINGCTL_FLOOD_NATIVE"
+
+# What falling back costs, in the warning (flood/threads.py: float32 keeps one thread without them).
+_COST = (
+    "flood uses torch's operators instead, which is slower, and float32 runs keep to one thread unless "
+    f"--threads is given (set {ENV_SWITCH}=0 to choose this without a warning)"
+)
+_why_not: str | None = None  # the reason the last kernels() call returned None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -76,12 +86,13 @@ def _openmp_flags() -> list[str]:
 def _build() -> Path | None:
     cc = _compiler()
     if cc is None:
-        log.info("no C compiler found; flood uses torch's operators for experts and attention")
+        _fall_back("no C compiler was found (cc, gcc or clang on PATH, or CC)")
         return None
     source = SOURCE.read_bytes()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as exc:
+        _fall_back(f"the C compiler {cc} does not run ({exc})")
         return None
     flags = FLAGS + _openmp_flags()
     key = hashlib.sha256(
@@ -89,7 +100,11 @@ def _build() -> Path | None:
             [source, " ".join(flags).encode(), version.encode(), _cpu_id().encode(), platform.machine().encode()]
         )
     ).hexdigest()[:20]
-    directory = _cache_dir()
+    try:
+        directory = _cache_dir()
+    except (LingctlError, RuntimeError) as exc:  # refused (not private, not ours), missing (~/.cache), no home
+        _fall_back(f"their cache directory cannot be used: {exc} (set LINGCTL_CACHE_DIR to a directory of your own)")
+        return None
     target = directory / f"flood_kernels-{key}.so"
     if target.exists():
         return target
@@ -100,16 +115,13 @@ def _build() -> Path | None:
             [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
-            log.info(
-                "building flood's kernels failed (%s); using torch's operators: %s",
-                cc,
-                result.stderr.strip().splitlines()[-1:] or "",
-            )
+            last = result.stderr.strip().splitlines()[-1:]
+            _fall_back(f"building them with {cc} failed" + (f": {last[0]}" if last else ""))
             return None
         os.replace(tmp, target)  # atomic: a concurrent build of the same key wins or loses whole
         return target
     except (OSError, subprocess.SubprocessError) as exc:
-        log.info("building flood's kernels failed (%s); using torch's operators", exc)
+        _fall_back(f"building them with {cc} failed ({exc})")
         return None
     finally:
         if os.path.exists(tmp):
@@ -284,14 +296,33 @@ def _split(cumulative: list[int], parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def _fall_back(reason: str, *, warn: bool = True) -> None:
+    """Record why the kernels are not used, and say it (``kernels()`` is cached: once per process)."""
+    global _why_not
+    _why_not = reason
+    if warn:
+        log.warning("flood's native kernels are unavailable: %s; %s", reason, _COST)
+    else:
+        log.info("flood's native kernels are not used: %s", reason)
+
+
+def why_unavailable() -> str | None:
+    """Why ``kernels()`` returned None (None when it did not, or was not called yet)."""
+    return _why_not
+
+
 @functools.lru_cache(maxsize=1)
 def kernels() -> Kernels | None:
-    """The loaded kernels, or None (no compiler, a failed build, or switched off by the environment)."""
+    """The loaded kernels, or None (no compiler, a failed build, the cache directory refused, or switched off
+    by the environment)."""
+    global _why_not
+    _why_not = None
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        _fall_back(f"switched off by {ENV_SWITCH}={os.environ[ENV_SWITCH]}", warn=False)
         return None
     try:
         path = _build()
         return Kernels(ctypes.CDLL(str(path))) if path is not None else None
     except Exception as exc:  # any failure here only costs speed
-        log.info("flood's kernels are unavailable (%s); using torch's operators", exc)
+        _fall_back(f"loading them failed ({exc})")
         return None
