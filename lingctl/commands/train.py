@@ -362,7 +362,8 @@ def plot(
     json: JsonOpt = False,
 ) -> None:
     """Draw a run's curves into a PNG: loss and eval loss, learning rate, expert load (max cv over layers)."""
-    from lingctl.train.plot import PLOT_FILE, plot_metrics, read_metrics
+    from lingctl.train.metrics_file import read_records
+    from lingctl.train.plot import PLOT_FILE, plot_metrics
     from lingctl.train.rundir import METRICS
 
     out_ = Output(json)
@@ -375,7 +376,7 @@ def plot(
     if output is None:
         _check_plot_is_ours(Path(run), PLOT_FILE)
     try:
-        written = plot_metrics(read_metrics(Path(run) / METRICS), target, title=run)
+        written = plot_metrics(read_records(Path(run) / METRICS), target, title=run)
     except ImportError:
         raise UsageError("lingctl train plot needs matplotlib", hint="pip install matplotlib") from None
     out_.result({"event": "plot", "run": run, "path": str(written)}, lambda c: c.print(str(written), markup=False))

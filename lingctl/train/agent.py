@@ -6,8 +6,12 @@ failures a restart can fix).
   restart while the budget lasts.
 - **hang** (the watchdog, ``watchdog.py``, saw no progress for the hang timeout and killed the workers):
   restart while the budget lasts; the verdict goes to ``RUN/incidents/hang-attempt-K.json``.
-- bad settings (2), not found (3), verification failed (4) and a stop asked for (130, or Ctrl-C/SIGTERM to the
-  launcher): never restarted; the same input would fail the same way, and a stop is a stop.
+- **divergence** (the workers recorded that they ended the attempt over a divergence, ``divergence.py``): a
+  ``give_up`` stops the job with exit 1, since a restart would diverge again; a ``restart`` (local SGD, one
+  worker diverged alone) is that worker's rollback: restarted, recorded as a divergence, not a crash.
+- bad settings (2), not found (3), verification failed (4) and a stop asked for (130, or Ctrl-C, SIGINT,
+  SIGTERM or SIGHUP to the launcher, which passes it on: ``signal_relay.py``): never restarted; the same
+  input would fail the same way, and a stop is a stop.
 
 Restarts wait ``backoff_s`` (1 s, 2 s, 4 s, ... at most 30 s). Workers learn their attempt from
 ``LINGCTL_ATTEMPT`` (``workers.start``): a worker of attempt k > 0 resumes from the run's last checkpoint and
@@ -35,8 +39,10 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
-from lingctl.train import incidents
+from lingctl.core.names import printable
+from lingctl.train import divergence, incidents
 from lingctl.train.incidents import Incident
+from lingctl.train.signal_relay import SignalRelay
 from lingctl.train.watchdog import TRACE_TARGETS, HangVerdict, MetricsTail, Watchdog
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,7 @@ class Outcome:
     death_mono: float | None  # when the watchdog first saw a worker gone
     ended_mono: float
     ended_wall: float
+    started_wall: float = 0.0
 
 
 @dataclass(slots=True)
@@ -121,11 +128,15 @@ class _Pending:
 class Job:
     argv: list[str]  # the workers' `lingctl train` options
     options: JobOptions
-    stopping: bool = False
-    _proc: subprocess.Popen | None = None
+    _signals: SignalRelay = field(default_factory=SignalRelay)
     _metrics: MetricsTail | None = None
     _pending: _Pending | None = None
     _counts: dict[str, int] = field(default_factory=lambda: {"hang": 0, "crash": 0})
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked for (a signal to the launcher); the attempt running got it too."""
+        return self._signals.stopping
 
     def run(self) -> int:
         from lingctl.train.manifest import METRICS
@@ -136,20 +147,19 @@ class Job:
         trace_dir = self._trace_dir() if opts.watching else None
         # Under `lingctl timer run` the workers are traced already, into the user's directory: keep it.
         own_trace = trace_dir is not None and not os.environ.get(TRACE_OUT_ENV)
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            attempt = 0
-            while True:
-                outcome = self._attempt(attempt, trace_dir)
-                code = self._after(outcome)
-                if code is not None:
-                    return code
-                attempt += 1
-                if not self._sleep(backoff_s(attempt)):
-                    self._settle_pending()
-                    return 130
+            with self._signals:
+                attempt = 0
+                while True:
+                    outcome = self._attempt(attempt, trace_dir)
+                    code = self._after(outcome)
+                    if code is not None:
+                        return code
+                    attempt += 1
+                    if not self._sleep(backoff_s(attempt)):
+                        self._settle_pending()
+                        return 130
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if own_trace and trace_dir is not None:
                 shutil.rmtree(trace_dir, ignore_errors=True)
 
@@ -165,12 +175,13 @@ class Job:
             env = traced_env(trace_dir, TRACE_TARGETS, base=env)
         debug = os.environ.get("LINGCTL_DEBUG", "") not in ("", "0")
         started_wall = time.time()
-        self._proc = proc = subprocess.Popen(
+        proc = subprocess.Popen(
             launch_argv(self.options.nproc, self.argv),
             env=env,
             stderr=None if debug else subprocess.PIPE,
             text=True,
             errors="replace",
+            start_new_session=True,  # signals reach it through the launcher only (signal_relay.py)
         )
         if self._pending is not None:
             self._pending.since_wall = started_wall
@@ -198,10 +209,12 @@ class Job:
             death_mono=watchdog.first_death_mono if watchdog is not None else None,
             ended_mono=time.monotonic(),
             ended_wall=time.time(),
+            started_wall=started_wall,
         )
 
     def _wait(self, proc: subprocess.Popen, watchdog: Watchdog | None) -> int:
         while True:
+            self._signals.pass_on(proc)  # a stop asked for: the workers finish their step, save and exit
             try:
                 return proc.wait(timeout=_POLL_S)
             except subprocess.TimeoutExpired:
@@ -209,22 +222,12 @@ class Job:
                 verdict = watchdog.verdict if watchdog is not None else None
                 if verdict is not None and time.time() - verdict.time > TORCHRUN_GRACE_S:
                     proc.kill()  # its workers are gone, yet torchrun did not end: it cannot be waited for
-            except KeyboardInterrupt:  # the workers got the same Ctrl-C from the terminal; let them save
-                self.stopping = True
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.stopping = True
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)  # torchrun passes it on: the workers save and exit
 
     def _sleep(self, seconds: float) -> bool:
         """Wait before a restart; False when a stop came meanwhile."""
         deadline = time.monotonic() + seconds
-        try:
-            while not self.stopping and time.monotonic() < deadline:
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        except KeyboardInterrupt:
-            self.stopping = True
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return not self.stopping
 
     # -- deciding -------------------------------------------------------------------------------------
@@ -233,10 +236,13 @@ class Job:
         self._settle_pending()
         if out.code == 0 and out.verdict is None:
             return 0
-        if self.stopping:  # Ctrl-C or SIGTERM: the workers saved and said so; torchrun's own code says less
+        if self.stopping:  # a stop asked for: the workers saved and said so; torchrun's own code says less
             return 130
         hung = out.verdict is not None
         code = out.code or 1
+        ended = None if hung else divergence.attempt_ending(self.options.run_local, out.attempt, out.started_wall)
+        if ended is not None:
+            return self._after_divergence(ended, code)
         if not restartable(code, hung=hung, stopped=self.stopping):
             sys.stderr.write(
                 f"lingctl: error: training stopped: a worker failed (exit code {code})\n"
@@ -245,8 +251,8 @@ class Job:
             return code
         kind = "hang" if hung else "crash"
         self._counts[kind] += 1
-        budget = self.options.restarts
-        give_up = out.attempt >= budget
+        budget, restarts = self.options.restarts, sum(self._counts.values())
+        give_up = restarts > budget
         incident = self._incident(out, kind, code, give_up)
         if give_up:
             self._record(incident)
@@ -274,8 +280,32 @@ class Job:
             what,
             incident.restored_step,
             backoff_s(out.attempt + 1),
-            out.attempt + 1,
+            restarts,
             budget,
+        )
+        return None
+
+    def _after_divergence(self, ended: dict[str, Any], code: int) -> int | None:
+        """The workers ended the attempt over a divergence, and recorded how: the job stops when they gave up
+        (a restart would diverge again); it restarts when one worker of local SGD diverged alone, which is
+        that worker's rollback (the restarted job applies it), within the workers' rollback budget."""
+        details = ended.get("details") or {}
+        reason = printable(str(details.get("reason")))
+        if ended["action"] == "give_up":
+            sys.stderr.write(
+                f"lingctl: error: training stopped: it diverged ({reason}; {printable(str(details.get('why')))}); "
+                "not restarted, since a restart would diverge again\n"
+                f"hint: {self._where_recorded()}start a new run with a lower --lr\n"
+            )
+            return code
+        log.warning(
+            "worker %s diverged (%s); restarting from the last checkpoint (step %s) with the learning rate x%s "
+            "and the data since then skipped, rollback %s",
+            ",".join(map(str, ended["ranks"])),
+            reason,
+            ended.get("restored_step"),
+            details.get("lr_factor"),
+            details.get("rollback"),
         )
         return None
 

@@ -28,10 +28,12 @@ from typing import Any, cast
 import torch
 
 from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.names import printable
 from lingctl.model.checkpoint import load_config, load_weights_into
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.train import losses
+from lingctl.train.align_file import load_trace, save_trace
 from lingctl.train.align_router import force_routes, own_routes, plant_bug, router_names, routes_of
 from lingctl.train.align_setup import AlignJob, SetUp, check_setup, make_batch
 from lingctl.train.align_trace import (
@@ -41,8 +43,6 @@ from lingctl.train.align_trace import (
     Recorder,
     Trace,
     compare,
-    load_trace,
-    save_trace,
 )
 from lingctl.train.config import MoeLossConfig
 
@@ -336,7 +336,10 @@ def check_comparable(a: dict[str, Any], b: dict[str, Any], source: str) -> None:
             if isinstance(mine, dict) and isinstance(theirs, dict):  # name only the fields that differ
                 diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
                 mine, theirs = {k: mine.get(k) for k in diff}, {k: theirs.get(k) for k in diff}
-            raise UsageError(f"{source} was recorded with other {what} ({theirs} there, {mine} here)")
+            # What the trace says is data: shown escaped and cut short (a crafted field may be long).
+            there = printable(str(theirs))
+            there = there if len(there) <= 300 else there[:300] + "..."
+            raise UsageError(f"{source} was recorded with other {what} ({there} there, {mine} here)")
 
 
 def _planned_meta(job: AlignJob, setup: SetUp) -> dict[str, Any]:
@@ -387,11 +390,12 @@ def run_align(opts: AlignOptions) -> tuple[Trace, AlignReport | None]:
     if len(shapes) == 2 and shapes[0] != shapes[1]:  # before either runs: forced routes would not fit
         raise UsageError("set-ups a and b load models of different shapes (their checkpoint= differ)")
     other = load_trace(opts.against) if opts.against is not None else None
+    tokens = opts.job.batch_size * opts.job.seq_len
     forced_a: dict[str, torch.Tensor] | None = None
     if other is not None:
         check_comparable(_planned_meta(opts.job, opts.a), other.meta, str(opts.against))
         if opts.same_routes:
-            forced_a = routes_of(other, routers, str(opts.against))
+            forced_a = routes_of(other, routers, str(opts.against), tokens=tokens)
     log.info("recording a: %s", opts.a.describe())
     a = record(opts.job, opts.a, routes=forced_a)
     if opts.save is not None:
@@ -402,6 +406,6 @@ def run_align(opts: AlignOptions) -> tuple[Trace, AlignReport | None]:
     if opts.b is None:
         return a, None
     log.info("recording b: %s", opts.b.describe())
-    forced_b = routes_of(a, routers, "set-up a") if opts.same_routes else None
+    forced_b = routes_of(a, routers, "set-up a", tokens=tokens) if opts.same_routes else None
     b = record(opts.job, opts.b, side="b", routes=forced_b)
     return a, compare(a, b)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.model.moe import Router, RouterOutput
 from lingctl.train.align_trace import ROUTES, Entry, Trace
 
@@ -113,8 +113,10 @@ def force_routes(model: nn.Module, routes: dict[str, torch.Tensor]) -> dict[str,
 # -- forced routes and traces ------------------------------------------------------------------------------
 
 
-def routes_of(trace: Trace, routers: list[str], source: str) -> dict[str, torch.Tensor]:
-    """The expert ids every router chose in ``trace`` (the whole batch, each token's k sorted by id)."""
+def routes_of(trace: Trace, routers: list[str], source: str, *, tokens: int) -> dict[str, torch.Tensor]:
+    """The expert ids every router chose in ``trace`` (the whole batch of ``tokens`` tokens, each token's k
+    sorted by id). A trace of this batch whose routes hold another number of tokens is not one lingctl wrote
+    (exit 4)."""
     entries = {e.key: e for e in trace.entries}
     missing = [n for n in routers if f"fwd:{n}:{ROUTES}" not in entries]
     if missing:
@@ -123,7 +125,13 @@ def routes_of(trace: Trace, routers: list[str], source: str) -> dict[str, torch.
             f"--same-routes: {source} holds no {ROUTES} of the router {missing[0]} (recorded with --modules '{modules}')",
             hint="record it again with --modules matching every router (mlp\\.gate$), or compare without --same-routes",
         )
-    return {n: cast(torch.Tensor, entries[f"fwd:{n}:{ROUTES}"].tensor) for n in routers}
+    routes = {n: cast(torch.Tensor, entries[f"fwd:{n}:{ROUTES}"].tensor) for n in routers}
+    for name, t in routes.items():
+        if t.shape[0] != tokens:
+            raise VerificationError(
+                f"{source}: the router {name}'s {ROUTES} has {t.shape[0]} tokens, the batch {tokens}"
+            )
+    return routes
 
 
 def own_routes(entries: list[Entry], own: dict[str, list[torch.Tensor]]) -> None:

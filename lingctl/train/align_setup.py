@@ -133,3 +133,24 @@ def make_batch(job: AlignJob, vocab_size: int) -> torch.Tensor:
     """[B, S + 1] token ids from the seed: inputs are [:, :-1], targets [:, 1:] (as training's batches)."""
     g = torch.Generator().manual_seed(job.seed)
     return torch.randint(0, vocab_size, (job.batch_size, job.seq_len + 1), generator=g)
+
+
+def check_recorded_setup(data: Any) -> str | None:
+    """Why ``data``, a set-up as a trace file records it (``dataclasses.asdict``), is not one ``parse_setup``
+    could have made; None when it is. The report reads every field, so each must have its type and values."""
+    if not isinstance(data, dict):
+        return "expected an object"
+    unknown = sorted(str(k) for k in data if k not in SPEC_KEYS)
+    if unknown:
+        return f"unknown key {unknown[0]!r}"
+    for key, allowed in _CHOICES.items():
+        if data.get(key) not in allowed:
+            return f"{key} is not one of {', '.join(allowed)}"
+    workers = data.get("workers")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        return "workers is not a whole number >= 1"
+    for key in ("checkpoint", "bug"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, str) or not value.isprintable()):
+            return f"{key} is not text"
+    return None

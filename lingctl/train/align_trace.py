@@ -1,6 +1,6 @@
 """What ``lingctl train align`` records of one training step: every module's outputs, the gradients
-reaching its inputs, every parameter's gradient and the loss parts, in execution order; the trace file
-that carries such a record to another machine; and the comparison of two records.
+reaching its inputs, every parameter's gradient and the loss parts, in execution order; and the comparison
+of two records. The trace file that carries a record to another machine is ``align_file``.
 
 Capture. Forward hooks record each module's output(s) in the order the modules finish (children before
 their parent: data-flow order). Backward: modules that take and return plain tensors (``nn.Linear``,
@@ -18,23 +18,18 @@ list the same k experts in another order on another kernel, which is not a diffe
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lingctl.core.atomic import atomic_write
-from lingctl.core.errors import LingctlError, UsageError
 from lingctl.model.layers import MLP, Attention, RMSNorm
 from lingctl.model.ling import CausalLMOutput, LingForCausalLM
 from lingctl.model.moe import RouterOutput
-from lingctl.model.safetensors_io import DEFAULT_METADATA, load_safetensors, read_header, write_safetensors
 
 Phase = Literal["fwd", "bwd"]
 ROOT = "(model)"  # the whole model's entry (its logits); "" is not a readable module name
@@ -43,7 +38,6 @@ ROUTES = "out.topk_idx"  # a router's entries: the chosen expert ids, and the pr
 PROBS = "out.probs"
 FORCED = "routes_forced"  # meta key: this side ran on the other side's expert ids (--same-routes)
 TRACE_FORMAT = "lingctl.align/1"
-_META_KEY = "lingctl.align"
 
 # Modules whose forward takes and returns plain tensors: full backward hooks work on them.
 _FULL_HOOK_TYPES = (nn.Linear, RMSNorm, MLP, Attention)
@@ -201,52 +195,6 @@ class Recorder:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             entry.tensor = _keep(g)
             self._note(entry)
-
-
-# -- trace files ------------------------------------------------------------------------------------------
-
-
-def save_trace(path: Path, trace: Trace) -> None:
-    """Write ``trace`` as one safetensors file: tensors keyed by entry key, the entry order and ``meta`` as
-    JSON in the header. Atomic: a crash leaves the previous file or none, never a part."""
-    tensors: dict[str, torch.Tensor] = {}
-    order = []
-    for e in trace.entries:
-        assert e.tensor is not None
-        tensors[e.key] = e.tensor.contiguous()
-        order.append([e.phase, e.module, e.what])
-    meta = {**DEFAULT_METADATA, _META_KEY: json.dumps({"format": TRACE_FORMAT, **trace.meta, "entries": order})}
-    with atomic_write(path) as (_, f):
-        write_safetensors(f, tensors, meta)
-
-
-def load_trace(path: Path) -> Trace:
-    """Read a trace written by ``save_trace`` (through the mmap'd safetensors reader; nothing is unpickled)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no trace file at {path}")
-    try:
-        _, header = read_header(path)
-    except LingctlError as exc:
-        raise UsageError(f"{path} is not a trace of lingctl train align ({exc})") from None
-    try:
-        meta = json.loads(header.get("__metadata__", {})[_META_KEY])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise UsageError(f"{path} is not a trace of lingctl train align") from None
-    if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
-        raise UsageError(
-            f"{path}: trace format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {TRACE_FORMAT!r}"
-        )
-    tensors = load_safetensors(path)
-    entries = []
-    for phase, module, what in meta.pop("entries"):
-        e = Entry(phase=phase, module=module, what=what)
-        if e.key not in tensors:
-            raise LingctlError(f"{path}: the trace lists {e.key} but holds no such tensor")
-        e.tensor = tensors[e.key]
-        entries.append(e)
-    meta.pop("format")
-    return Trace(entries=entries, meta=meta)
 
 
 # -- comparison ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from lingctl.core.errors import NotFoundError, UsageError
 from lingctl.core.storage import parse_url
 from lingctl.model.checkpoint_files import CONFIG, TRAIN_CONFIG, WEIGHTS, WEIGHTS_INDEX
 from lingctl.train.manifest import CHECKPOINTS, LATEST, MANIFEST, METRICS, checkpoint_step, parse_latest
-from lingctl.train.plot import read_metrics
+from lingctl.train.metrics_file import read_records
 
 __all__ = ["RunCheckpoint", "is_run_dir", "list_checkpoints", "run_finished", "run_target_steps"]
 
@@ -97,7 +97,7 @@ def _tokens_by_step(run: Path) -> dict[int, int]:
         return {}
     from_steps: dict[int, int] = {}
     from_checkpoints: dict[int, int] = {}
-    for record in read_metrics(run / METRICS):
+    for record in read_records(run / METRICS):
         event, step, tokens = record.get("event"), _int(record.get("step")), _int(record.get("tokens"))
         if step is None or tokens is None:
             continue

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.train.manifest import INCIDENT_DIR, INCIDENTS  # noqa: F401 (the names live with the run layout)
+from lingctl.train.metrics_file import is_int, is_number, read_records
 
 KINDS = ("hang", "crash", "divergence", "straggler", "routing")
 ACTIONS = ("restart", "rollback", "warn", "give_up")
@@ -74,8 +75,37 @@ def append(run_local: Path, incident: Incident) -> dict[str, Any]:
 
 
 def read(run_local: Path) -> list[dict[str, Any]]:
-    """The run's incident records, oldest first; a torn last line (a writer killed mid-write) is skipped."""
-    from lingctl.train.plot import read_metrics  # the same torn-line-tolerant JSONL reader
-
+    """The run's incident records, oldest first; a torn last line (a writer killed mid-write) is skipped, and
+    so is a record of other types than ``append`` writes, with a warning naming its line."""
     path = Path(run_local) / INCIDENTS
-    return read_metrics(path) if path.exists() else []
+    return read_records(path, check=check_incident) if path.exists() else []
+
+
+def check_incident(record: dict[str, Any]) -> str | None:
+    """Why ``record`` is not an incident as ``append`` writes it; None when it is. A resume reapplies the
+    rollbacks it finds (their learning-rate factor and skipped data window), so those fields are checked too."""
+    if not all(isinstance(record.get(k), str) for k in ("kind", "action")):
+        return "kind and action are not text"
+    if not is_int(record.get("attempt")):
+        return "attempt is not a whole number"
+    if "detected_after_s" not in record:
+        return "no detected_after_s"
+    ranks = record.get("ranks")
+    if not isinstance(ranks, list) or not all(is_int(r) for r in ranks):
+        return "ranks is not a list of ranks"
+    for key in ("detected_after_s", "recovery_s", "time"):
+        if record.get(key) is not None and not is_number(record[key]):
+            return f"{key} is not a number"
+    for key in ("restored_step", "lost_steps"):
+        if record.get(key) is not None and not is_int(record[key]):
+            return f"{key} is not a whole number"
+    details = record.get("details", {})
+    if not isinstance(details, dict):
+        return "details is not an object"
+    if record["kind"] == "divergence" and record["action"] in ("rollback", "restart"):
+        window = details.get("skipped_window")
+        if not (isinstance(window, list) and len(window) == 2 and is_int(window[1])):
+            return "skipped_window is not [from, to]"
+        if not is_number(details.get("lr_factor", 1.0)):
+            return "lr_factor is not a number"
+    return None

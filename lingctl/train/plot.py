@@ -1,36 +1,17 @@
-"""A run's curves as one PNG, from its metrics.jsonl: loss (and eval loss), learning rate, expert load.
+"""A run's curves as one PNG, from its metrics.jsonl (records read by ``metrics_file.read_records``): loss (and
+eval loss), learning rate, expert load.
 
 matplotlib is imported only here, with the Agg backend (no display needed), when a plot is asked for.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import atomic_write
-from lingctl.core.errors import NotFoundError, UsageError, os_error
+from lingctl.core.errors import UsageError
 from lingctl.train.manifest import PLOT as PLOT_FILE  # noqa: F401  (re-exported: the run's default plot)
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a torn or foreign line is skipped (a run may be writing it)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise NotFoundError(f"{path} not found", hint="name a run directory of lingctl train") from None
-    except OSError as exc:
-        raise os_error(exc, str(path)) from exc
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
 
 
 def plot_metrics(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:

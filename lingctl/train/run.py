@@ -18,7 +18,8 @@ from lingctl.train import report
 from lingctl.train.config import TrainConfig, check_model_changes, check_preset_shape
 from lingctl.train.data import resolve_sources
 from lingctl.train.local_sgd import LocalSgdTrainer
-from lingctl.train.plot import PLOT_FILE, plot_metrics, read_metrics
+from lingctl.train.metrics_file import read_records
+from lingctl.train.plot import PLOT_FILE, plot_metrics
 from lingctl.train.rundir import METRICS, RunDir
 from lingctl.train.sources import open_init_source
 from lingctl.train.trainer import Record, Trainer, TrainResult
@@ -245,7 +246,7 @@ def _write_plot(run: RunDir) -> None:
         log.warning("the run's curves are not plotted: %s (use 'lingctl train plot RUN -o FILE')", exc)
         return
     try:
-        plot_metrics(read_metrics(run.local / METRICS), run.local / PLOT_FILE, title=run.describe())
+        plot_metrics(read_records(run.local / METRICS), run.local / PLOT_FILE, title=run.describe())
     except ImportError as exc:
         log.warning("%s not written: matplotlib is not available (%s)", PLOT_FILE, exc)
     except Exception as exc:  # a plot is a convenience: the run itself succeeded

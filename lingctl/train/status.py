@@ -17,7 +17,7 @@ from lingctl.core.errors import NotFoundError
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
 from lingctl.train.incidents import read as read_incidents
 from lingctl.train.manifest import LATEST, METRICS, parse_latest
-from lingctl.train.plot import read_metrics
+from lingctl.train.metrics_file import read_records
 
 THROUGHPUT_STEPS = 10  # "current throughput": the mean over this many last steps
 
@@ -40,7 +40,7 @@ class RunStatus:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    return read_metrics(path) if path.exists() else []
+    return read_records(path) if path.exists() else []
 
 
 def run_status(run: Path, *, recent: int = 5) -> RunStatus:
@@ -57,7 +57,7 @@ def run_status(run: Path, *, recent: int = 5) -> RunStatus:
     if latest is not None:
         try:
             target = int(json.loads((run / latest["path"] / TRAIN_CONFIG).read_text())["steps"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             target = None
     last = steps[-1] if steps else None
     window = steps[-THROUGHPUT_STEPS:]

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -45,7 +45,7 @@ from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.pcache.checkpoint import saved_keys
 from lingctl.pcache.tier import read_marker
-from lingctl.train import losses, schedule
+from lingctl.train import divergence, losses, metrics_file, schedule
 from lingctl.train.config import TrainConfig, parse_pair, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
@@ -393,29 +393,9 @@ class Trainer:
         return state
 
     def _truncate_metrics(self, step: int) -> list[Record]:
-        """Drop records written after the checkpoint (and a torn last line), so the resumed run's records
-        continue the file as if there had been no interruption; returns the dropped step records."""
-        path = self.metrics_path
-        if path is None:  # this process writes no metrics (a worker other than the first)
-            return []
-        kept, dropped = [], []
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                if record.get("step", 0) <= step and not (record.get("event") == "done"):
-                    if record.get("step") == step and record.get("event") not in ("step", "eval", "checkpoint"):
-                        continue
-                    kept.append(line)
-                elif record.get("event") == "step":
-                    dropped.append(record)
-        with atomic_write(path) as (_, f):
-            f.write("".join(k + "\n" for k in kept).encode())
-        return dropped
+        """Cut metrics.jsonl back to the checkpoint of ``step`` (``metrics_file.cut_back``); the dropped step
+        records. A worker other than the first writes no metrics."""
+        return metrics_file.cut_back(self.metrics_path, step) if self.metrics_path is not None else []
 
     # -- the loop -------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -447,8 +427,8 @@ class Trainer:
                 self._hang_drill()
                 try:
                     record = self._step()
-                except _Divergence as divergence:
-                    self._roll_back(divergence)
+                except _Divergence as diverged:
+                    self._roll_back(diverged)
                     continue
                 if record is not None:
                     self._drills(record)
@@ -791,38 +771,55 @@ class Trainer:
     def _diverged(self, why: str, *, onset: float | None = None) -> None:
         """A metrics record saying why; then the watchdog rolls back (:meth:`_roll_back`), or the run ends
         with one line for the user (exit 1). Nothing is saved, so the last checkpoint stays the last good
-        state."""
+        state. A divergence incident records the decision, which the launcher reads (``divergence.py``)."""
         self._emit({"event": "diverged", "step": self.step, "attempt": self.attempt, "reason": why})
         if self._may_roll_back():
             raise _Divergence(why, time.monotonic() if onset is None else onset)
-        latest = self.run.latest() if self.watchdog and self.workers.distributed else None
-        if latest is not None and self.rollbacks < self.config.watchdog_config.max_rollbacks:
-            # Local SGD: this worker diverged on its own, and the others cannot roll back with it. Its attempt
-            # ends; the launcher restarts the job from the last checkpoint, where this record has the lower
-            # learning rate and the skipped data applied (:meth:`_reapply_rollbacks`).
-            wc = self.config.watchdog_config
-            self._incident(
-                "divergence",
-                "restart",
-                anyone=True,
-                ranks=[self.workers.rank],
-                detected_after_s=round(time.monotonic() - (onset or time.monotonic()), 3),
-                restored_step=int(latest["step"]),
-                lost_steps=max(0, self.checkpoint_step() - int(latest["step"])),
-                details={
-                    "reason": why,
-                    "lr_factor": wc.lr_factor,
-                    # From the checkpoint's position (known at the restart) to where this worker stopped.
-                    "skipped_window": [None, self.position.cursor * self.workers.world],
-                    "rollback": self.rollbacks + 1,
-                },
-            )
-            raise TrainingDiverged(
-                f"worker {self.workers.rank} diverged after step {self.step}: {why}",
-                hint=f"the job restarts from step {latest['step']} with a lower learning rate (watchdog)",
-            )
+        detected, wc = round(time.monotonic() - (onset or time.monotonic()), 3), self.config.watchdog_config
+        # Local SGD: this worker diverged on its own, and the others cannot roll back with it. Its attempt
+        # ends; the launcher restarts the job from the last checkpoint, where this record has the lower
+        # learning rate and the skipped data applied (:meth:`_reapply_rollbacks`).
+        latest = self.run.latest() if self.watchdog else None
+        stop = divergence.give_up_reason(
+            watchdog=self.watchdog, latest=latest, rollbacks=self.rollbacks, budget=wc.max_rollbacks
+        )
+        if stop is not None or latest is None:
+            self._give_up(why, stop or "", detected)
+        self._incident(
+            "divergence",
+            "restart",
+            anyone=True,
+            ranks=[self.workers.rank],
+            detected_after_s=detected,
+            restored_step=int(latest["step"]),
+            lost_steps=max(0, self.checkpoint_step() - int(latest["step"])),
+            details={
+                "reason": why,
+                "lr_factor": wc.lr_factor,
+                # From the checkpoint's position (known at the restart) to where this worker stopped.
+                "skipped_window": [None, self.position.cursor * self.workers.world],
+                "rollback": self.rollbacks + 1,
+            },
+        )
         raise TrainingDiverged(
-            f"training diverged after step {self.step}: {why}",
+            f"worker {self.workers.rank} diverged after step {self.step}: {why}",
+            hint=f"the job restarts from step {latest['step']} with a lower learning rate (watchdog)",
+        )
+
+    def _give_up(self, reason: str, why: str, detected: float) -> NoReturn:
+        """End the run (exit 1) with a give_up incident, from rank 0 for the job, or with local SGD from the
+        worker that diverged alone."""
+        alone = self.workers.distributed and not self._synchronous()
+        self._incident(
+            "divergence",
+            "give_up",
+            anyone=alone,
+            ranks=[self.workers.rank] if alone else list(range(self.workers.world)),
+            detected_after_s=detected,
+            details={"reason": reason, "why": why},
+        )
+        raise TrainingDiverged(
+            f"{f'worker {self.workers.rank}' if alone else 'training'} diverged after step {self.step}: {reason}; {why}",
             hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step",
         )
 
@@ -831,7 +828,7 @@ class Trainer:
         """Every worker must take the decision at the same step: one worker, or synchronous steps."""
         return self.watchdog and (self.workers.world == 1 or self._synchronous())
 
-    def _roll_back(self, divergence: _Divergence) -> None:
+    def _roll_back(self, div: _Divergence) -> None:
         """Back to the last checkpoint, with the learning rate times ``watchdog_config.lr_factor`` and the
         data since that checkpoint skipped (the window is recorded, so the run stays reproducible); the
         abandoned steps' records move from metrics.jsonl into the incident. Ends the run (exit 1, a give_up
@@ -839,20 +836,12 @@ class Trainer:
         verdict_at = time.monotonic()
         wc = self.config.watchdog_config
         latest = self.run.latest()
-        detected = round(verdict_at - divergence.onset, 3)
-        if latest is None or self.rollbacks >= wc.max_rollbacks:
-            why = "there is no checkpoint to go back to" if latest is None else f"{self.rollbacks} rollback(s) done"
-            self._incident(
-                "divergence",
-                "give_up",
-                ranks=list(range(self.workers.world)),
-                detected_after_s=detected,
-                details={"reason": divergence.reason, "why": why},
-            )
-            raise TrainingDiverged(
-                f"training diverged after step {self.step}: {divergence.reason}; {why}",
-                hint="start a new run with a lower --lr; the last checkpoint, if any, predates this step",
-            )
+        detected = round(verdict_at - div.onset, 3)
+        stop = divergence.give_up_reason(
+            watchdog=True, latest=latest, rollbacks=self.rollbacks, budget=wc.max_rollbacks
+        )
+        if stop is not None or latest is None:
+            self._give_up(div.reason, stop or "", detected)
         diverged_at, cursor = self.step, self.position.cursor
         if self._metrics is not None:
             self._metrics.close()
@@ -881,7 +870,7 @@ class Trainer:
             lost_steps=diverged_at - self.step,
             recovery_s=round(time.monotonic() - verdict_at, 3),
             details={
-                "reason": divergence.reason,
+                "reason": div.reason,
                 "lr_factor": wc.lr_factor,
                 "lr_scale": self.guard.lr_scale,
                 # Positions in the run's batch order (BatchOrder) whose sequences are not trained on.
@@ -893,7 +882,7 @@ class Trainer:
         log.info(
             "diverged after step %d (%s): rolled back to step %d, learning rate x%g, data window %s skipped",
             diverged_at,
-            divergence.reason,
+            div.reason,
             self.step,
             wc.lr_factor,
             window,

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lingctl.train.metrics_file import is_int, is_number
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
@@ -94,9 +96,9 @@ class MetricsTail:
     def _take(self, line: bytes) -> None:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        if not isinstance(record, dict) or not is_int(record.get("step")):
             return
         if record.get("event") == "step":
             self.steps[record["step"]] = (_number(record.get("step_s")), _number(record.get("time")))
@@ -124,7 +126,7 @@ class MetricsTail:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 @dataclass(slots=True)

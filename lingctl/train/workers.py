@@ -205,8 +205,8 @@ def launch(
     reaches every worker unchanged. ``max_restarts`` None: 3 with the watchdog on, else 0; ``watchdog``
     None: on for more than one worker. ``out`` (None: the default name, chosen here so that every attempt
     writes into the same run) and ``cache_dir`` locate the run's local directory, where incidents are
-    recorded. SIGTERM is passed on to torchrun, which passes it to the workers (they finish their step,
-    save and exit); Ctrl-C reaches them through the terminal. Neither is followed by a restart.
+    recorded. Ctrl-C, SIGINT, SIGTERM and SIGHUP to this process are passed on to torchrun, which passes them
+    to the workers (they finish their step, save and exit; ``signal_relay.py``). None is followed by a restart.
     """
     from lingctl.train.agent import Job, JobOptions
 
@@ -293,5 +293,10 @@ def _relay(stream: Any, codes: list[int], failures: list[tuple[int, int]] | None
                     failures.insert(at, (rank, int(found.group(1))))
                 root = False
             continue
-        sys.stderr.write(line)
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            # The terminal is gone (SIGHUP) or stderr closed: keep draining, or torchrun and the workers would
+            # block on a full pipe while they save.
+            pass

@@ -1,12 +1,22 @@
 """`lingctl train --nproc 2` as real processes: torch's elastic launcher, gloo, DDP and EDiT local SGD,
-checkpoints through pcache, resume, a worker killed mid-run (restarted and recorded), and the fault drills."""
+checkpoints through pcache, resume (also past damaged metrics lines), SIGINT to the launcher alone, a worker
+killed mid-run (restarted and recorded), and the fault drills."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from lingctl.train.metrics_file import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +31,9 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ddp_on_two_workers_trains_checkpoints_across_both_and_resumes(lingctl, tmp_path, text_corpus):
+def test_ddp_on_two_workers_trains_checkpoints_across_both_resumes_past_damaged_metrics_and_stops_on_sigint(
+    lingctl, tmp_path, text_corpus
+):
     run = tmp_path / "run"
     common = (*TINY, "--sync", "ddp", "--data", str(text_corpus), "--out", str(run), "--save-every", "4", "--json")
     res = lingctl(*common, "--steps", "8", timeout=300)
@@ -38,12 +50,73 @@ def test_ddp_on_two_workers_trains_checkpoints_across_both_and_resumes(lingctl, 
     assert marker["world_size"] == 2
     # The replicated model and optimizer were written by both workers, not by rank 0 alone.
     assert (state / "__0_0.distcp").exists() and (state / "__1_0.distcp").exists()
-    again = lingctl(*common, "--steps", "10", "--resume", timeout=300)
-    assert again.returncode == 0, again.stderr
-    done = [r for r in records(again.stdout) if r.get("event") == "done"][0]
-    assert done["resumed_from"] == 8 and done["steps"] == 10
+    # Damaged lines in metrics.jsonl, and a torn last one as a kill leaves it: status skips the damaged lines,
+    # naming each, and the torn one silently.
+    body = (run / "metrics.jsonl").read_text()
+    first = len(body.splitlines()) + 1
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("".join(line + "\n" for line in BAD_LINES) + '{"event": "step", "st')
+    status = lingctl("train", "status", str(run), "--json", timeout=60)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert json.loads(status.stdout)["step"] == 8
+    warned = [f"{run / 'metrics.jsonl'}:{n}: skipped: " for n in range(first, first + len(BAD_LINES))]
+    assert all(w in status.stderr for w in warned) and status.stderr.count(": skipped: ") == len(BAD_LINES)
+    # --resume goes on past them; then SIGINT to the launcher's pid alone (`kill -INT PID`, as a scheduler or a
+    # user sends it, not Ctrl-C to the process group) stops the job as Ctrl-C does: the workers finish their
+    # step, save a checkpoint and exit 130.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lingctl", *common, "--steps", "100000", "--resume"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while '"event": "step", "step": 10,' not in (run / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # failed before the launcher ended: leave no process of the job behind
+            with contextlib.suppress(psutil.Error):
+                descendants = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+            for p in descendants:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+    assert proc.returncode == 130, err
+    assert "checkpoint saved" in err and "--resume" in err and "Traceback" not in err
+    assert len(descendants) >= 3  # torchrun and both workers
+    gone = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants):
+        assert time.monotonic() < gone, "a worker outlived the launcher"
+        time.sleep(0.05)
+    done = [r for r in records(out) if r.get("event") == "done"][0]
+    assert done["resumed_from"] == 8 and done["stopped"] == "interrupted" and done["steps"] >= 10
+    latest = json.loads((run / "latest.json").read_text())
+    assert latest["step"] == done["steps"]
+    assert json.loads((run / latest["path"] / "state" / "pcache.json").read_text())["world_size"] == 2
+    # The history: each step once up to the checkpoint, the damaged lines kept as they were, the torn one gone.
+    text = (run / "metrics.jsonl").read_text()
+    assert all(text.count(line + "\n") == 1 for line in BAD_LINES) and '"st\n' not in text
+    steps = [r["step"] for r in read_records(run / "metrics.jsonl") if r["event"] == "step"]
+    assert steps == list(range(1, done["steps"] + 1))
     one = lingctl("train", "--preset", "tiny", "--out", str(run), "--resume", "--steps", "12", timeout=120)
     assert one.returncode == 2 and "checkpointed by 2 worker(s)" in one.stderr
+
+
+# Lines a reader must skip: a step that is not a number, a list, a loss as text, a step beyond any float, a count
+# beyond int64.
+BAD_LINES = [
+    '{"event": "step", "step": "x", "loss": 1.0, "lr": 0.001, "tokens": 1, "tokens_per_s": 1.0}',
+    "[1, 2, 3]",
+    '{"event": "step", "step": 9, "loss": "NaN", "lr": 0.001, "tokens": 1, "tokens_per_s": 1.0}',
+    '{"event": "eval", "step": 1e400, "eval_loss": 1.0}',
+    '{"event": "step", "step": 99999999999999999999999, "loss": 1.0, "lr": 0.001, "tokens": 1, "tokens_per_s": 1.0}',
+]
 
 
 def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint(lingctl, tmp_path, text_corpus):

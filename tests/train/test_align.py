@@ -12,6 +12,7 @@ from lingctl.core.errors import UsageError
 from lingctl.model.moe import grouped_mm_available
 from lingctl.model.presets import preset
 from lingctl.train.align import AlignOptions, record, run_align
+from lingctl.train.align_file import load_trace, save_trace
 from lingctl.train.align_setup import AlignJob, parse_setup
 from lingctl.train.align_trace import (
     FORCED,
@@ -21,9 +22,7 @@ from lingctl.train.align_trace import (
     Trace,
     compare,
     compare_tensors,
-    load_trace,
     route_flips,
-    save_trace,
 )
 
 GATE = "model.layers.1.mlp.gate"  # tiny: layer 0 is dense, layer 1 is the MoE layer

@@ -19,7 +19,7 @@ from lingctl.train.checkpoints import (
     run_target_steps,
 )
 from lingctl.train.manifest import CHECKPOINTS, LATEST, METRICS, checkpoint_name
-from lingctl.train.plot import read_metrics
+from lingctl.train.metrics_file import read_records
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> 
 
 
 def test_a_real_run_lists_its_checkpoints_with_the_tokens_of_their_checkpoint_records(trained_run: Path) -> None:
-    records = read_metrics(trained_run / METRICS)
+    records = read_records(trained_run / METRICS)
     saved = {r["step"]: r["tokens"] for r in records if r["event"] == "checkpoint"}
     stepped = {r["step"]: r["tokens"] for r in records if r["event"] == "step"}
     assert sorted(saved) == [2, 4]
@@ -99,6 +99,10 @@ def test_only_finished_checkpoints_up_to_latest_are_listed(tmp_path: Path, caplo
     assert "newer than latest.json" in caplog.text and "step-00000014" in caplog.text
 
 
+def _step(step: int, tokens: int) -> dict:
+    return {"event": "step", "step": step, "tokens": tokens, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 100.0}
+
+
 def test_tokens_come_from_the_checkpoint_record_else_the_last_step_record(tmp_path: Path) -> None:
     run = tmp_path / "run"
     for step in (2, 4, 6):
@@ -107,12 +111,12 @@ def test_tokens_come_from_the_checkpoint_record_else_the_last_step_record(tmp_pa
     _metrics(
         run,
         [
-            {"event": "step", "step": 2, "tokens": 400},
+            _step(2, 400),
             {"event": "checkpoint", "step": 2, "tokens": 500, "path": "x"},  # the checkpoint's own count wins
-            {"event": "step", "step": 4, "tokens": 800},
-            {"event": "step", "step": 4, "tokens": 820},  # step 4 again after a resume: the last record counts
+            _step(4, 800),
+            _step(4, 820),  # step 4 again after a resume: the last record counts
             {"event": "checkpoint", "step": 4, "path": "x"},  # written before checkpoint records had tokens
-            {"event": "step", "step": 5, "tokens": 1000},
+            _step(5, 1000),
         ],
     )
     assert [(c.step, c.tokens) for c in list_checkpoints(run)] == [(2, 500), (4, 820), (6, None)]

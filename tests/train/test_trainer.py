@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lingctl.train.config import DataConfig, TrainConfig
+from lingctl.train.incidents import read as read_incidents
 from lingctl.train.rundir import RunDir
 from lingctl.train.schedule import learning_rate
 from lingctl.train.spike import SpikeConfig
@@ -88,10 +89,17 @@ def test_steps_skipped_in_a_row_end_the_run_and_nothing_is_saved(tmp_path: Path,
     with pytest.raises(TrainingDiverged, match="4 steps in a row were skipped"):
         trainer.train()
     events = [r["event"] for r in records]
-    # The live view's start record comes first; it is not a metric.
-    assert events == ["start"] + ["step"] * 5 + ["spike"] * 4 + ["diverged"]
+    # The live view's start record comes first, its incident record last; neither is a metric.
+    assert events == ["start"] + ["step"] * 5 + ["spike"] * 4 + ["diverged", "incident"]
     assert not (tmp_path / "run" / "latest.json").exists()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(records) - 1
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == len(records) - 2
+    # Recorded as a divergence the run gave up on (what tells the launcher of several workers not to restart).
+    (incident,) = read_incidents(tmp_path / "run")
+    assert (incident["kind"], incident["action"], incident["details"]["why"]) == (
+        "divergence",
+        "give_up",
+        "the watchdog is off",
+    )
 
 
 def test_non_finite_parameters_end_the_run_at_once_even_with_the_guard_off(tmp_path: Path, text_corpus: Path) -> None:
@@ -100,5 +108,10 @@ def test_non_finite_parameters_end_the_run_at_once_even_with_the_guard_off(tmp_p
         next(trainer.model.parameters()).fill_(float("nan"))
     with pytest.raises(TrainingDiverged, match="parameters are no longer finite"):
         trainer.train()
-    assert [r["event"] for r in records] == ["start", "spike", "diverged"]  # the NaN update was never applied
+    assert [r["event"] for r in records] == [
+        "start",
+        "spike",
+        "diverged",
+        "incident",
+    ]  # the NaN update was never applied
     assert not (tmp_path / "run" / "latest.json").exists()

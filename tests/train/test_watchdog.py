@@ -1,17 +1,20 @@
 """The launcher's restart rules and the watchdog's figures, without processes: which exits a restart can fix,
-the budget, the backoff, the hang timeout derived from a run's metrics, and reading metrics.jsonl as it grows
-and is rewritten."""
+the budget, the backoff, when a divergence ends a run and how the launcher reads that it did, the hang timeout
+derived from a run's metrics, and reading metrics.jsonl as it grows and is rewritten."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from lingctl.core.errors import UsageError
 from lingctl.train.agent import JobOptions, backoff_s, restartable
+from lingctl.train.divergence import attempt_ending, give_up_reason
+from lingctl.train.incidents import Incident, append
 from lingctl.train.watchdog import MIN_HANG_TIMEOUT_S, MetricsTail, hang_timeout
 
 
@@ -80,3 +83,30 @@ def test_metrics_tail_reads_new_lines_and_starts_over_when_the_file_is_rewritten
     _write(path, [{"event": "step", "step": 4, "step_s": 0.2, "time": 120.0}])
     tail.poll()
     assert tail.first_step_since(110.0) == (4, 120.0)
+
+
+def test_divergence_ends_the_run_only_when_no_rollback_is_left() -> None:
+    latest = {"step": 4, "path": "checkpoints/step-00000004"}
+    assert give_up_reason(watchdog=True, latest=latest, rollbacks=2, budget=3) is None
+    assert give_up_reason(watchdog=True, latest=latest, rollbacks=3, budget=3) == "3 rollback(s) done"
+    assert give_up_reason(watchdog=True, latest=None, rollbacks=0, budget=3) == "there is no checkpoint to go back to"
+    assert give_up_reason(watchdog=False, latest=latest, rollbacks=0, budget=3) == "the watchdog is off"
+
+
+def test_the_launcher_reads_how_the_workers_ended_an_attempt_over_a_divergence(tmp_path: Path) -> None:
+    def divergence(action: str, attempt: int, rank: int = 0) -> Incident:
+        details = {"lr_factor": 0.5, "skipped_window": [None, 8]} if action != "give_up" else {}
+        return Incident(
+            kind="divergence", action=action, ranks=[rank], detected_after_s=0.1, attempt=attempt, details=details
+        )
+
+    assert attempt_ending(tmp_path, 0, 0.0) is None  # no incidents yet
+    append(tmp_path, divergence("rollback", 0))  # rolled back inside the attempt, which went on
+    append(tmp_path, Incident(kind="crash", action="restart", ranks=[1], detected_after_s=1.0, attempt=0))
+    assert attempt_ending(tmp_path, 0, 0.0) is None
+    append(tmp_path, divergence("restart", 1, rank=1))
+    assert attempt_ending(tmp_path, 1, 0.0)["action"] == "restart"  # type: ignore[index]
+    assert attempt_ending(tmp_path, 1, time.time() + 60) is None  # a record of an earlier job's attempt 1
+    append(tmp_path, divergence("give_up", 1, rank=0))
+    assert attempt_ending(tmp_path, 1, 0.0)["action"] == "give_up"  # type: ignore[index]
+    assert attempt_ending(None, 1, 0.0) is None
