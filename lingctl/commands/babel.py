@@ -14,13 +14,17 @@ from typing import Annotated, Any, Literal
 import typer
 
 from lingctl.commands.options import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
     DEFAULT_RETRIES,
+    ContimeoutOpt,
     EndpointOpt,
     JsonOpt,
     PathStyleOpt,
     ProfileOpt,
     RegionOpt,
     RetriesOpt,
+    TimeoutOpt,
     VerifyMode,
     s3_options,
 )
@@ -61,6 +65,8 @@ def ls(
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
     retries: RetriesOpt = DEFAULT_RETRIES,
+    timeout: TimeoutOpt = DEFAULT_READ_TIMEOUT,
+    contimeout: ContimeoutOpt = DEFAULT_CONNECT_TIMEOUT,
     json: JsonOpt = False,
 ) -> None:
     """List objects (key, size, modification time, etag) or, with --summary, their count and total size."""
@@ -68,7 +74,7 @@ def ls(
     from lingctl.core.storage import open_store
 
     out = Output(json)
-    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries, timeout=timeout, contimeout=contimeout)
     parsed = parse_url(url)
     rows: list[dict[str, Any]] = []
     count = total = 0
@@ -184,6 +190,8 @@ def copy(
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
     retries: RetriesOpt = DEFAULT_RETRIES,
+    timeout: TimeoutOpt = DEFAULT_READ_TIMEOUT,
+    contimeout: ContimeoutOpt = DEFAULT_CONNECT_TIMEOUT,
     json: JsonOpt = False,
 ) -> None:
     """Copy what is missing or different from SRC to DST; never deletes. Re-running resumes.
@@ -210,7 +218,7 @@ def copy(
         stats=stats,
         progress=progress,
         bwlimit=bwlimit,
-        s3=s3_options(endpoint_url, region, profile, path_style, retries),
+        s3=s3_options(endpoint_url, region, profile, path_style, retries, timeout=timeout, contimeout=contimeout),
         json=json,
     )
 
@@ -247,6 +255,8 @@ def sync(
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
     retries: RetriesOpt = DEFAULT_RETRIES,
+    timeout: TimeoutOpt = DEFAULT_READ_TIMEOUT,
+    contimeout: ContimeoutOpt = DEFAULT_CONNECT_TIMEOUT,
     json: JsonOpt = False,
 ) -> None:
     """Make DST identical to SRC: copy what is missing or different, then delete from DST what SRC lacks
@@ -274,7 +284,7 @@ def sync(
         stats=stats,
         progress=progress,
         bwlimit=bwlimit,
-        s3=s3_options(endpoint_url, region, profile, path_style, retries),
+        s3=s3_options(endpoint_url, region, profile, path_style, retries, timeout=timeout, contimeout=contimeout),
         json=json,
     )
 
@@ -411,6 +421,8 @@ def verify(
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
     retries: RetriesOpt = DEFAULT_RETRIES,
+    timeout: TimeoutOpt = DEFAULT_READ_TIMEOUT,
+    contimeout: ContimeoutOpt = DEFAULT_CONNECT_TIMEOUT,
     json: JsonOpt = False,
 ) -> None:
     """Compare SRC and DST object by object; exit 4 and name every difference with both sides' figures."""
@@ -422,7 +434,7 @@ def verify(
     src_url, dst_url = parse_url(src), parse_url(dst)
     # Comparing a tree with itself would "verify" anything; one inside the other is only a comparison.
     check_no_overlap(src_url, dst_url, allow_nested=True)
-    s3 = s3_options(endpoint_url, region, profile, path_style, retries)
+    s3 = s3_options(endpoint_url, region, profile, path_style, retries, timeout=timeout, contimeout=contimeout)
     result = run_verify(
         src_url, dst_url, s3, mode=mode, samples=samples, jobs=jobs, key_filter=KeyFilter(include or [], exclude or [])
     )

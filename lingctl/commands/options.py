@@ -11,6 +11,7 @@ import typer
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import S3Options
+from lingctl.core.storage.s3_client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
 from lingctl.core.storage.url import check_endpoint_url
 from lingctl.core.units import parse_duration
 
@@ -77,6 +78,25 @@ PathStyleOpt = Annotated[
         help="S3 addressing (default: path style with a custom endpoint, virtual-host on AWS).",
     ),
 ]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        metavar="DURATION",
+        parser=duration,
+        help="S3 idle timeout: the longest wait for any byte of an answer; an answer averaging under 1 KiB/s "
+        f"over this long is also cut (rclone's --timeout; {DURATION_FORMS}).",
+    ),
+]
+ContimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--contimeout",
+        metavar="DURATION",
+        parser=duration,
+        help=f"S3 connect timeout (rclone's --contimeout; {DURATION_FORMS}).",
+    ),
+]
 RetriesOpt = Annotated[
     int,
     typer.Option(
@@ -91,10 +111,14 @@ def s3_options(
     profile: str | None,
     path_style: bool | None,
     retries: int = DEFAULT_RETRIES,
+    *,
+    timeout: float = DEFAULT_READ_TIMEOUT,
+    contimeout: float = DEFAULT_CONNECT_TIMEOUT,
 ) -> S3Options:
     """The S3 settings of a command. The endpoint (flag, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is
     checked here, so a malformed one is a one-line usage error before anything runs, and it is passed on
-    without user info: nothing later (errors, reports, JSON) can show a password typed into it."""
+    without user info: nothing later (errors, reports, JSON) can show a password typed into it.
+    ``timeout``/``contimeout`` (seconds) are --timeout and --contimeout."""
     raw = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
     endpoint = check_endpoint_url(raw) if raw else None
     if raw and "@" in urlsplit(raw).netloc:
@@ -102,7 +126,17 @@ def s3_options(
             "ignoring the user:password in the endpoint URL: S3 requests are signed with the AWS "
             "credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE), never with these"
         )
-    return S3Options(endpoint_url=endpoint, region=region, profile=profile, path_style=path_style, max_attempts=retries)
+    at_least("--timeout", timeout, 0.01)
+    at_least("--contimeout", contimeout, 0.01)
+    return S3Options(
+        endpoint_url=endpoint,
+        region=region,
+        profile=profile,
+        path_style=path_style,
+        max_attempts=retries,
+        read_timeout=timeout,
+        connect_timeout=contimeout,
+    )
 
 
 # flood's engine settings, shared by `flood run` and `flood eval`.

@@ -69,6 +69,11 @@ class AccessDeniedError(LingctlError):
     """Credentials missing, wrong, or without permission. Not retryable: the same request fails again."""
 
 
+class CertificateError(LingctlError):
+    """A server's TLS certificate failed verification (unknown CA, wrong host name, expired). Not retryable:
+    the next connection gets the same certificate, and going on would trust whoever holds the connection."""
+
+
 class DiskFullError(LingctlError):
     """No space left, a quota or a file-size limit: permanent until the user frees space (exit 1)."""
 

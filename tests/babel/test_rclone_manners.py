@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -259,3 +260,41 @@ def test_rclone_sees_babels_mtimes_and_finds_nothing_to_copy(capsys, src: Path, 
     final = [r["stats"] for r in logs if "stats" in r]
     assert final and final[-1]["transfers"] == 0, again.stderr
     assert not [r for r in logs if "modification time" in r.get("msg", "")]  # nor did it rewrite any mtime
+
+
+# -- --timeout and --contimeout, rclone's names for the idle and connect timeouts ---------------------------
+
+
+def test_timeout_and_contimeout_bound_every_request(capsys, tmp_path: Path, monkeypatch) -> None:
+    from tests.support.hostile_http import FakeObject, FakeS3, HostileServer, object_head, trickled
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "AKIDTIMEOUTTEST00001"), ("AWS_SECRET_ACCESS_KEY", "s" * 40)):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for bad in ("0", "-1s", "soon"):
+        code, _, err = babel(capsys, "ls", "s3://bkt", "--timeout", bad)
+        assert code == 2 and "--timeout" in error_line(err)
+    # A GET that trickles (a byte every 20 ms): cut once a --timeout window brings less than 1 KiB/s.
+    obj = FakeObject(2000)
+    fake = FakeS3("bkt", {"obj.bin": obj}, on_get=trickled(object_head(obj) + bytes(obj.size), 0.02))
+    with HostileServer(fake) as server:
+        common = ["--retries", "1", "--endpoint-url", server.endpoint]
+        code, _, err = babel(capsys, "copy", "s3://bkt/", str(tmp_path / "dst"), "--timeout", "500ms", *common)
+        assert code == 5 and "the answer is too slow" in error_line(err)
+        assert server.sent < obj.size  # cut, not waited out
+    # A server whose accept queue is full: the connect waits for --contimeout, then the usual exit 5.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        fillers = [socket.socket() for _ in range(3)]
+        for s in fillers:
+            s.setblocking(False)
+            s.connect_ex(listener.getsockname())
+        try:
+            port = listener.getsockname()[1]
+            code, _, err = babel(capsys, "ls", "s3://bkt", "--contimeout", "300ms", "--retries", "1",
+                                 "--endpoint-url", f"http://127.0.0.1:{port}")  # fmt: skip
+            assert code == 5 and "could not reach S3 endpoint" in error_line(err) and "connect timed out" in err
+        finally:
+            for s in fillers:
+                s.close()

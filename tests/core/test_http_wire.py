@@ -382,10 +382,87 @@ def test_https_checks_the_certificate_and_keeps_the_connection(certificate: tupl
         assert trusting.request("GET", "/a", H).data == b"one"
         assert trusting.request("GET", "/b", H).data == b"two"
         assert [r.conn for r in server.received] == [1, 1]
-        with pytest.raises(WireError, match="TLS handshake failed") as refused:
+        with pytest.raises(WireError, match="TLS certificate verification failed") as refused:
             stranger.request("GET", "/c", H)
         assert isinstance(refused.value.cause, ssl.SSLCertVerificationError)
     finally:
         trusting.close()
         stranger.close()
         server.stop()
+
+
+# -- through an http proxy ------------------------------------------------------------------------------------
+
+
+def test_an_http_proxy_gets_absolute_targets_and_its_credentials() -> None:
+    import base64
+
+    from tests.support.hostile_http import HostileServer, proxy
+
+    with HostileServer(proxy()) as server:
+        pool = Pool("s3.example", 9000, proxy=f"http://user:p%40ss@127.0.0.1:{server.port}", read_timeout=WAIT_S)
+        reply = pool.request("GET", "/b/k?x=1", {"Host": "s3.example:9000"})
+        pool.close()
+    assert reply.data == b"ok" and reply.headers["X-Target"] == "http://s3.example:9000/b/k?x=1"
+    assert reply.headers["X-Auth"] == "Basic " + base64.b64encode(b"user:p@ss").decode()
+
+
+def test_https_through_an_http_proxy_is_a_tunnel_with_every_check(certificate: tuple[Path, Path]) -> None:
+    from lingctl.core.storage.http_wire import AnswerTooLarge, ConnectError
+    from tests.support.hostile_http import HostileServer, proxy
+
+    cert, key = certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    huge = (b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n", "close")
+    origin = ScriptedServer(script(ok(b"through the tunnel"), huge), tls=context)
+    with HostileServer(proxy()) as tunnel, HostileServer(proxy(refuse=b"HTTP/1.1 407 No\r\n\r\n")) as refusing:
+        via = f"http://127.0.0.1:{tunnel.port}"
+        trusting = Pool("127.0.0.1", origin.port, https=True, ca_certs=str(cert), proxy=via, read_timeout=WAIT_S)
+        stranger = Pool("127.0.0.1", origin.port, https=True, proxy=via, read_timeout=WAIT_S)
+        refused = Pool("127.0.0.1", origin.port, https=True, proxy=f"http://127.0.0.1:{refusing.port}")
+        try:
+            assert trusting.request("GET", "/a", H).data == b"through the tunnel"
+            with pytest.raises(AnswerTooLarge):  # the bounds hold inside the tunnel too
+                trusting.request("GET", "/b", H, limit=1000)
+            with pytest.raises(ConnectError, match="TLS certificate verification failed"):
+                stranger.request("GET", "/c", H)
+            with pytest.raises(ConnectError, match="refused the tunnel to 127.0.0.1:.* \\(HTTP 407\\)"):
+                refused.request("GET", "/d", H)
+        finally:
+            for pool in (trusting, stranger, refused):
+                pool.close()
+            origin.stop()
+        # The proxy saw only where to connect; the requests went inside TLS.
+        assert {(r.method, r.target) for r in tunnel.requests} == {("CONNECT", f"127.0.0.1:{origin.port}")}
+    assert [r.target for r in origin.received] == ["/a", "/b"]
+
+
+def test_an_https_proxy_goes_through_urllib3_with_the_same_body_limits(certificate: tuple[Path, Path]) -> None:
+    from lingctl.core.storage.http_wire import AnswerTooLarge, ConnectError, ProxiedPool, certificate_failure
+    from tests.support.hostile_http import FakeObject, FakeS3, HostileServer, chunked_forever, proxy
+
+    cert, key = certificate
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    with (
+        HostileServer(proxy(), tls=context) as tls_proxy,
+        HostileServer(FakeS3("bkt", {"a": FakeObject(3)}, on_get=chunked_forever()), tls=context) as origin,
+    ):
+        trusting = ProxiedPool(origin.endpoint, tls_proxy.endpoint, connect_timeout=WAIT_S, read_timeout=WAIT_S,
+                               maxsize=4, ca_certs=str(cert))  # fmt: skip
+        stranger = ProxiedPool(origin.endpoint, tls_proxy.endpoint, connect_timeout=WAIT_S, read_timeout=WAIT_S,
+                               maxsize=4, ca_certs=None)  # fmt: skip
+        host = {"Host": f"127.0.0.1:{origin.port}"}
+        try:
+            assert trusting.request("HEAD", "/bkt/a", host).headers["Content-Length"] == "3"
+            with pytest.raises(AnswerTooLarge):  # endless chunks from the origin, inside TLS inside TLS
+                trusting.request("GET", "/bkt/a", host, limit=1000)
+            with pytest.raises(ConnectError) as refused:  # the proxy's own certificate is checked
+                stranger.request("GET", "/bkt/a", host)
+            assert certificate_failure(refused.value) is not None
+        finally:
+            trusting.close()
+            stranger.close()
+        assert origin.sent < 32 << 20
+    assert [r.method for r in tls_proxy.requests] == ["CONNECT"]  # one tunnel, kept; the stranger never got in

@@ -6,7 +6,7 @@ import pytest
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import StoreURL, check_key, parse_url
-from lingctl.core.storage.url import check_endpoint_url, redact_url
+from lingctl.core.storage.url import add_secret, check_endpoint_url, redact_secrets, redact_url, server_words
 
 
 @pytest.mark.parametrize(
@@ -136,6 +136,9 @@ def test_check_endpoint_url_accepts_and_drops_user_info(text: str, expected: str
         "http://",
         "http://h /x",
         "http://user:hun/ter2@h",
+        "http://h:9000/?token=hunter2",  # an endpoint takes no query: every value hidden, not only secret names
+        "http://h:9000/?x=hunter2",
+        "http://h:9000/#hunter2",
     ],
 )
 def test_malformed_endpoints_are_one_line_usage_errors_without_secrets(text: str) -> None:
@@ -144,3 +147,26 @@ def test_malformed_endpoints_are_one_line_usage_errors_without_secrets(text: str
     assert info.value.exit_code == 2
     assert "hunter2" not in info.value.message and "ter2" not in info.value.message
     assert "\n" not in info.value.message
+
+
+def test_credentials_a_server_echoes_are_redacted() -> None:
+    add_secret("wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+    sigv4 = (
+        "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20240101/us-east-1/s3/aws4_request, "
+        "SignedHeaders=host;x-amz-date, Signature=fe5f80f77d5fa3beca038a248ff027d0445342fe2855ddc963176630326f1024"
+    )
+    echoes = {
+        f"you sent Authorization: {sigv4}": "you sent Authorization: ***",
+        f"<Auth>{sigv4}</Auth>": "<Auth>AWS4-HMAC-SHA256 ***</Auth>",
+        "Authorization: AWS AKIAIOSFODNN7EXAMPLE:frJIUN8DYpKDtOLCwo//yllqDzg=": "Authorization: ***",
+        "sig AWS AKIAIOSFODNN7EXAMPLE:frJIUN8DYpKDtOLCwo//yllqDzg= end": "sig AWS *** end",
+        "X-Amz-Security-Token: FwoGZXIvYXdzEJr; next": "X-Amz-Security-Token: ***; next",
+        "q X-Amz-Signature=abc123&X-Amz-Credential=AKIA%2Fx done": "q X-Amz-Signature=***&X-Amz-Credential=*** done",
+        "secret wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY!": "secret ***!",
+        "SignatureDoesNotMatch: The request signature we calculated does not match": None,  # words stay
+    }
+    for text, shown in echoes.items():
+        assert redact_secrets(text) == (text if shown is None else shown)
+    # Cut after redaction: a secret straddling the cut does not leave its first half behind.
+    long = "x" * 190 + " wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    assert "wJal" not in server_words(long, 200) and len(server_words(long, 200)) <= 200

@@ -155,7 +155,9 @@ class ObjectStore(ABC):
     def read(self, key: str, offset: int = 0, length: int | None = None, *, pin: Version | None = None) -> bytes:
         """Bytes ``[offset, offset+length)`` of ``key`` (to its end when ``length`` is None). With ``pin``,
         ``SourceChangedError`` unless the bytes come from that version (S3: ``If-Match`` plus ETag and total
-        size checks, since some servers ignore ``If-Match``; local: size and mtime after the read)."""
+        size checks, since some servers ignore ``If-Match``; local: size and mtime after the read).
+        A server never makes a read hold more than it asked for: the range, the pinned size, else 1 GiB
+        (S3; see docs/storage.md, "Bounds on every request")."""
 
     @abstractmethod
     def write(

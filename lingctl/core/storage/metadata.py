@@ -18,6 +18,8 @@ import math
 from typing import Any
 
 from lingctl.core.checksum import tag_from_b64
+from lingctl.core.errors import LingctlError
+from lingctl.core.names import printable
 from lingctl.core.storage.base import ObjectInfo
 
 CHECKSUM_META = "lingctl-crc64nvme"
@@ -57,7 +59,10 @@ def _seconds(text: str | None) -> float | None:
 
 
 def parse_reply(key: str, reply: dict[str, Any]) -> ObjectInfo:
-    """Size, mtime, checksum and ETag of ``key`` from a HeadObject (or GetObject) reply."""
+    """Size, mtime, checksum and ETag of ``key`` from a HeadObject (or GetObject) reply. A reply without
+    its size or date (a broken server) is a one-line ``LingctlError``."""
+    if not isinstance(reply.get("ContentLength"), int) or not hasattr(reply.get("LastModified"), "timestamp"):
+        raise LingctlError(f"{printable(key)}: the server's answer lacks the object's size or date")
     meta = {k.lower(): v for k, v in (reply.get("Metadata") or {}).items()}
     mtime = _seconds(meta.get(MTIME_META))
     if mtime is None:

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from lingctl.core.storage.retry import (
     response_code,
     response_status,
 )
-from lingctl.core.storage.s3_client import S3Options, make_client, translate
+from lingctl.core.storage.s3_client import S3Options, make_client, repeated_token_error, translate
 from lingctl.core.storage.url import StoreURL, check_object_key
 
 __all__ = ["CHECKSUM_META", "S3Options", "S3Store", "list_buckets", "make_client", "translate"]
@@ -174,6 +174,7 @@ class S3Store(ObjectStore):
             full += "/"
         cut = len(self._root)
         token: str | None = None
+        seen: set[str] = set()
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
             if token:
@@ -194,17 +195,28 @@ class S3Store(ObjectStore):
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
+            if token in seen:  # the server goes round in circles: a listing that would never end
+                raise repeated_token_error(self.endpoint, f"{self.bucket}/{full}")
+            seen.add(token)
 
     # -- reading ------------------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo | None:
         from lingctl.core.storage.signed_http import as_reply
 
         full = self._key(key)
+
+        def head() -> ObjectInfo | None:
+            headers = self.http.head(full)
+            return (
+                None
+                if headers is None
+                else parse_reply(key, as_reply(headers, operation="HeadObject", key=full, whole=True))
+            )
+
         try:
-            headers = self.retrier.call(f"{self.bucket}/{full}", self.http.head, full)
+            return self.retrier.call(f"{self.bucket}/{full}", head)
         except NotFoundError:
             return None
-        return None if headers is None else parse_reply(key, as_reply(headers))
 
     def version(self, key: str) -> Version | None:
         # A one-key listing, not a HEAD: listings carry LastModified to the millisecond, HEAD to the second,
@@ -221,8 +233,6 @@ class S3Store(ObjectStore):
     def read(self, key: str, offset: int = 0, length: int | None = None, *, pin: Version | None = None) -> bytes:
         if length == 0:
             return b""
-        from lingctl.core.storage.signed_http import as_reply
-
         full = self._key(key)
         what = f"{self.bucket}/{full}"
         if_match = f'"{pin.etag}"' if pin is not None and pin.etag else None
@@ -230,16 +240,29 @@ class S3Store(ObjectStore):
         def get() -> bytes:
             import botocore.exceptions
 
+            from lingctl.core.storage.http_wire import AnswerTooLarge
+
             try:
-                body, headers = self.http.get(full, offset=offset, length=length, if_match=if_match)
+                body, headers = self.http.get(
+                    full, offset=offset, length=length, if_match=if_match, size=pin.size if pin else None
+                )
             except botocore.exceptions.ClientError as exc:
                 status = response_status(exc)
                 if pin is not None and status in (404, 412):
                     change = "overwritten" if status == 412 else "removed"
                     raise SourceChangedError(f"{what}: the object was {change} during the copy") from exc
                 raise
+            except botocore.exceptions.EndpointConnectionError as exc:
+                if pin is not None and isinstance(exc.__cause__, AnswerTooLarge):
+                    # More than the listed size came: a larger version (a server that ignores If-Match sends
+                    # it whole), or a broken server. The copy starts over from a fresh look at the object.
+                    raise SourceChangedError(
+                        f"{what}: the server sent more bytes than the {pin.size} listed "
+                        "(the object changed during the copy, or the server is broken)"
+                    ) from exc
+                raise
             if pin is not None:
-                _check_version(what, pin, as_reply(headers))
+                _check_version(what, pin, headers)
             return body
 
         try:
@@ -259,6 +282,8 @@ class S3Store(ObjectStore):
             crc = Crc64()
             for block in resp["Body"].iter_chunks(1 * _MiB):
                 crc.update(block)
+                if crc.length > info.size:  # a body past its own Content-Length must not fill the disk
+                    raise RetryableError(f"{what}: the server sent more than the object's {info.size} bytes")
                 try:
                     tmp_file.write(block)
                 except OSError as exc:
@@ -419,13 +444,16 @@ class _S3Uploads(MultipartUploads):
             pass  # an upload that is already gone needs no abort
 
 
-def _check_version(what: str, pin: Version, resp: dict[str, Any]) -> None:
-    """Raise ``SourceChangedError`` unless a GET response is of the pinned version: same ETag (when pinned)
-    and the same total size (Content-Range ``bytes a-b/TOTAL``, or the length of a whole-object GET)."""
-    etag = _etag(resp)
+def _check_version(what: str, pin: Version, headers: Mapping[str, str]) -> None:
+    """Raise ``SourceChangedError`` unless a GET answer is of the pinned version: same ETag (when pinned)
+    and the same total size (``Content-Range: bytes a-b/TOTAL``, or the length of a whole-object GET).
+    Only these headers are read: whatever else the server sends does not matter here."""
+    etag = (headers.get("ETag") or "").strip('"') or None
     if pin.etag and etag and etag != pin.etag:
-        raise SourceChangedError(f"{what}: the object was overwritten during the copy (ETag {pin.etag} -> {etag})")
-    content_range = resp.get("ContentRange") or ""
-    total = content_range.rpartition("/")[2] if content_range else str(resp.get("ContentLength", ""))
-    if total.isdigit() and int(total) != pin.size:
-        raise SourceChangedError(f"{what}: the object was overwritten during the copy (size {pin.size} -> {total})")
+        raise SourceChangedError(f"{what}: the object was overwritten during the copy (ETag {pin.etag} -> {etag[:80]})")
+    content_range = headers.get("Content-Range") or ""
+    total = content_range.rpartition("/")[2] if content_range else (headers.get("Content-Length") or "")
+    if total.isascii() and total.isdigit() and int(total) != pin.size:
+        raise SourceChangedError(
+            f"{what}: the object was overwritten during the copy (size {pin.size} -> {total[:20]})"
+        )

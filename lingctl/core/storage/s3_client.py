@@ -16,6 +16,7 @@ from typing import Any
 
 from lingctl.core.errors import (
     AccessDeniedError,
+    CertificateError,
     LingctlError,
     NotFoundError,
     RetryableError,
@@ -23,7 +24,7 @@ from lingctl.core.errors import (
     VerificationError,
 )
 from lingctl.core.storage.retry import THROTTLE_CODES, THROTTLE_STATUS
-from lingctl.core.storage.url import check_endpoint_url
+from lingctl.core.storage.url import check_endpoint_url, redact_secrets, server_words
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ log = logging.getLogger(__name__)
 RETRY_CODES = THROTTLE_CODES | {"RequestTimeout", "InternalError"}
 _MiB = 1 << 20
 _GiB = 1 << 30
+# Time bounds of every request (docs/storage.md, "Bounds on every request"). Connecting: 10 s covers three
+# lost SYNs (1 + 2 + 4 s) while a dead endpoint is still found, and retried, quickly (rclone's --contimeout
+# is 1 m, for every kind of backend).
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# The idle timeout: the longest wait for any byte, rclone's --timeout (5 m there). 60 s is botocore's read
+# timeout; S3 answers in well under a second, and keeps a long CompleteMultipartUpload alive with spaces.
+DEFAULT_READ_TIMEOUT = 60.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,8 +50,12 @@ class S3Options:
     # wildcard DNS for virtual-host buckets, and off for AWS itself.
     path_style: bool | None = None
     max_attempts: int = 3  # attempts per request, first included (retry.Retrier: throttling, 5xx, connections)
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT  # the idle timeout
+    # An answer slower than this many bytes/s on average over a read_timeout window is cut (curl's
+    # --speed-limit with --speed-time = the idle timeout): far below any working link, far above a trickle
+    # meant to hold the request open. 0: off.
+    low_speed_limit: int = 1024
     # Files at least this large go up as multipart uploads with parts of part_size (S3: 5 MiB .. 5 GiB).
     multipart_threshold: int = 64 * _MiB
     part_size: int = 64 * _MiB
@@ -63,6 +75,11 @@ class S3Options:
             raise UsageError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), got {self.part_size}")
         if self.multipart_threshold < 1:
             raise UsageError(f"multipart_threshold must be positive, got {self.multipart_threshold}")
+        for name, seconds in (("connect_timeout", self.connect_timeout), ("read_timeout", self.read_timeout)):
+            if not seconds > 0 or seconds == float("inf"):
+                raise UsageError(f"{name} must be a positive number of seconds, got {seconds}")
+        if self.low_speed_limit < 0:
+            raise UsageError(f"low_speed_limit must be >= 0 bytes/s, got {self.low_speed_limit}")
 
 
 def make_client(options: S3Options, *, unsigned: bool = False, attempts: int | None = None) -> Any:
@@ -111,6 +128,10 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
     import botocore.exceptions as bx
 
     where = endpoint or "AWS S3"
+    if isinstance(exc, CertificateError):
+        return exc
+    if isinstance(exc, bx.SSLError) and (cert := _certificate_failure(exc)) is not None:
+        return certificate_error(where, cert)
     if isinstance(exc, bx.NoCredentialsError):
         return AccessDeniedError(
             f"no S3 credentials found for {where}",
@@ -123,8 +144,16 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
     if isinstance(
         exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError)
     ):
+        # lingctl's own clients say what went wrong (``error``, a string) and whether the server was reached.
+        detail = exc.kwargs.get("error")
+        detail = redact_secrets(detail) if isinstance(detail, str) else type(exc).__name__
+        if exc.kwargs.get("reached"):
+            return RetryableError(
+                f"no complete answer from S3 endpoint {where} for {what} after {attempts} attempt(s): {detail}",
+                hint="if it keeps failing, the server (or a proxy on the way) is broken; --timeout sets the idle timeout",
+            )
         return RetryableError(
-            f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({type(exc).__name__})",
+            f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({detail})",
             hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
         )
     if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
@@ -140,7 +169,9 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = err.get("Message") or code
+        # The server's words are data: shortened, and cleared of anything that looks like a credential.
+        message = server_words(str(err.get("Message") or code))
+        shown_code = server_words(code)
         # HeadBucket answers a bare 404 without a code; ``what`` is then the bucket name alone.
         if code == "NoSuchBucket" or (status == 404 and "/" not in what):
             return NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}")
@@ -174,11 +205,39 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
         if code in ("InvalidRange",) or status == 416:
             return UsageError(f"{what}: requested range is outside the object")
         if status >= 500 or status in THROTTLE_STATUS or code in RETRY_CODES:
-            return RetryableError(f"S3 error on {what} at {where} after {attempts} attempt(s): {code}: {message}")
-        return LingctlError(f"S3 error on {what} at {where}: {code}: {message}")
+            return RetryableError(f"S3 error on {what} at {where} after {attempts} attempt(s): {shown_code}: {message}")
+        return LingctlError(f"S3 error on {what} at {where}: {shown_code}: {message}")
     if isinstance(exc, bx.BotoCoreError):
-        return LingctlError(f"S3 error on {what} at {where}: {exc}")
+        return LingctlError(f"S3 error on {what} at {where}: {server_words(str(exc), 500)}")
     raise exc
+
+
+def repeated_token_error(endpoint: str, what: str) -> LingctlError:
+    """A listing whose server hands back a continuation token it already gave: it would never end, and
+    asking again gets the same answer (exit 1)."""
+    from lingctl.core.names import printable
+
+    return LingctlError(
+        f"S3 endpoint {endpoint or 'AWS S3'} repeats a continuation token when listing {printable(what)}: "
+        "the listing would never end",
+        hint="the server is broken, or something on the way to it rewrites its answers",
+    )
+
+
+def certificate_error(where: str, cert: Any) -> CertificateError:
+    """The error for a TLS certificate that failed verification (``cert``: the ``ssl`` error)."""
+    reason = getattr(cert, "verify_message", None) or getattr(cert, "reason", None) or "not trusted"
+    return CertificateError(
+        f"the TLS certificate of S3 endpoint {where} failed verification ({reason}); nothing was sent",
+        hint="for a private CA, point AWS_CA_BUNDLE at its certificate (a PEM file); "
+        "check that --endpoint-url names the host the certificate is for",
+    )
+
+
+def _certificate_failure(exc: BaseException) -> Any:
+    from lingctl.core.storage.http_wire import certificate_failure
+
+    return certificate_failure(exc)
 
 
 def ca_bundle() -> str | None:

@@ -26,17 +26,31 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, unquote_plus, urlparse
 
-from lingctl.core.errors import UsageError
+from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.names import printable
 from lingctl.core.storage import http_wire, sigv4
 from lingctl.core.storage.crawl import Crawl, Listed
 from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
-from lingctl.core.storage.s3_client import RETRY_CODES, S3Options, ca_bundle, translate
+from lingctl.core.storage.s3_client import (
+    RETRY_CODES,
+    S3Options,
+    ca_bundle,
+    certificate_error,
+    repeated_token_error,
+    translate,
+)
 from lingctl.core.storage.url import StoreURL, redact_url
 
 log = logging.getLogger("lingctl.babel.listing")
 
 _PAGE = 1000  # ListObjectsV2 max-keys: S3 and rclone cap it at 1000
+# The most a listing page may weigh. A page of 1000 keys of S3's longest (1024 bytes of UTF-8, each byte
+# %XX-encoded: 3 KiB) with its dates, ETag, size, storage class and checksum fields (~0.4 KiB) is about
+# 3.4 MiB; 8 MiB leaves room for servers that indent their XML or add fields.
+_PAGE_BYTES = 8 << 20
+# Pages in a row that bring nothing new (no key or prefix past the last one) before the listing of that
+# range is given up: AWS may send an empty page with a token now and then, never a long run of them.
+_MAX_EMPTY_PAGES = 100
 _MIN_ATTEMPTS = 5  # a long listing meets more transient errors than a single request does
 
 # Characters where range boundaries are placed, by the kind of name seen on a page: the smallest class that
@@ -63,6 +77,7 @@ class Range:
     after: str = ""  # list entries > after ("": from the start of prefix)
     until: str | None = None  # entries <= until belong here; None: to the end of prefix
     token: str | None = None  # continuation token of this range's previous page
+    empty: int = 0  # pages in a row, just before this one, that brought nothing new
 
 
 @dataclass(slots=True)
@@ -126,7 +141,10 @@ def _parse_page(body: str) -> _Page | None:
                     fields["Size"].group(1),
                 )
             )
-    keys = [(decode(k), lm, etag.replace("&quot;", "").strip('"') or None, int(size)) for k, lm, etag, size in rows]
+    try:
+        keys = [(decode(k), lm, etag.replace("&quot;", "").strip('"') or None, int(size)) for k, lm, etag, size in rows]
+    except ValueError:  # a size that is not a number (or has thousands of digits): not a listing
+        return None
     prefixes = [decode(p) for p in _PREFIX_RE.findall(body)]
     token = _TOKEN_RE.search(body)
     return _Page(
@@ -237,26 +255,14 @@ class S3Lister:
         base = urlparse(self.base)
         self._host, self._path = base.netloc, base.path or "/"
         ca_certs = ca_bundle() if parsed.scheme == "https" else None
-        proxy = http_wire.proxy_for(parsed.scheme, parsed.hostname or "")
-        self._wire: http_wire.Pool | None = None
-        self.http: Any = None
-        self._conn_errors: tuple[type[Exception], ...] = (http_wire.WireError,)
-        if proxy:
-            import urllib3  # only behind a proxy
-
-            timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
-            self.http = urllib3.ProxyManager(proxy, num_pools=2, maxsize=jobs, timeout=timeout, ca_certs=ca_certs)
-            self._conn_errors += (urllib3.exceptions.HTTPError,)
-        else:
-            self._wire = http_wire.Pool(
-                base.hostname or "",
-                base.port or (443 if base.scheme == "https" else 80),
-                https=base.scheme == "https",
-                connect_timeout=options.connect_timeout,
-                read_timeout=options.read_timeout,
-                maxsize=jobs,
-                ca_certs=ca_certs,
-            )
+        self._wire = http_wire.open_pool(
+            f"{base.scheme}://{base.netloc}",
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
+            low_speed_limit=options.low_speed_limit,
+            maxsize=jobs,
+            ca_certs=ca_certs,
+        )
         # Range splitting stops for good when the server ignores start-after, or when parallel requests
         # gain it little: a server that re-reads a whole directory per request (rclone serve s3 does)
         # only does more work when one prefix is listed as many ranges.
@@ -269,10 +275,7 @@ class S3Lister:
         self._gain_proven = False
 
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
-        else:
-            self.http.clear()
+        self._wire.close()
 
     # -- one page ---------------------------------------------------------------------------------------
     def page(self, r: Range, crawl: Crawl) -> None:
@@ -307,7 +310,15 @@ class S3Lister:
                 continue
             names.append(key)
             if not key.endswith("/") and key.startswith(self.within):  # "directory markers" are not objects
-                batch.append(Listed(key[cut:], size, _timestamp(modified), etag))
+                try:
+                    mtime = _timestamp(modified)
+                except ValueError:
+                    raise LingctlError(
+                        f"S3 endpoint {self.endpoint or 'AWS S3'} lists {printable(f'{self.bucket}/{key}')} with "
+                        f"a LastModified that is not a date: {printable(modified[:40])!r}",
+                        hint="the server is broken, or something on the way to it rewrites its answers",
+                    ) from None
+                batch.append(Listed(key[cut:], size, mtime, etag))
         for p in page.prefixes:
             if r.until is not None and p > r.until:
                 beyond = True
@@ -325,7 +336,11 @@ class S3Lister:
             return
         if not names:
             if page.token:
-                crawl.add(Range(r.prefix, r.after, r.until, page.token))
+                # A token handed back again (or pages that never move on) would make this range list for
+                # ever: 4,000 identical requests in minutes, and no end.
+                if page.token == r.token or r.empty >= _MAX_EMPTY_PAGES:
+                    raise repeated_token_error(self.endpoint, f"{self.bucket}/{r.prefix}")
+                crawl.add(Range(r.prefix, r.after, r.until, page.token, r.empty + 1))
             else:
                 log.warning(
                     "S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
@@ -392,14 +407,13 @@ class S3Lister:
                 concurrency = self._inflight
             started = time.monotonic()
             try:
-                if self._wire is not None:
-                    resp = self._wire.request("GET", f"{self._path}?{query}", headers)
-                else:
-                    resp = self.http.request("GET", url, headers=headers, retries=False)
+                resp = self._wire.request("GET", f"{self._path}?{query}", headers, limit=_PAGE_BYTES)
                 body = resp.data.decode("utf-8", errors="replace")
-            except self._conn_errors as exc:
+            except http_wire.WireError as exc:
+                if (cert := http_wire.certificate_failure(exc)) is not None:
+                    raise certificate_error(self.endpoint or "AWS S3", cert) from exc
                 throttled = True  # a dropped connection means "slow down", as in retry.is_throttle
-                error = _connection_error(exc, url, bx)
+                error = _connection_error(exc, self.endpoint or url, bx)
                 log.debug("list %s: attempt %d: %s", printable(what), attempt, redact_url(str(exc)))
                 continue
             finally:
@@ -436,20 +450,10 @@ class S3Lister:
         raise translate(error, printable(what), self.endpoint, self.attempts) from error
 
 
-def _connection_error(exc: Exception, url: str, bx: Any) -> Exception:
-    """The botocore exception that matches a connection failure, for ``translate``'s wording."""
-    if isinstance(exc, http_wire.WireError):
-        if isinstance(exc.cause, TimeoutError):
-            return bx.ReadTimeoutError(endpoint_url=url)
-        if isinstance(exc.cause, ConnectionRefusedError) or exc.what == "cannot connect":
-            return bx.EndpointConnectionError(endpoint_url=url)
-        return bx.ConnectionClosedError(endpoint_url=url)
-    import urllib3.exceptions as ux
-
-    if isinstance(exc, ux.ConnectTimeoutError):
-        return bx.ConnectTimeoutError(endpoint_url=url)
-    if isinstance(exc, ux.ReadTimeoutError):
-        return bx.ReadTimeoutError(endpoint_url=url)
-    if isinstance(exc, (ux.ProtocolError, ux.IncompleteRead)):
-        return bx.ConnectionClosedError(endpoint_url=url)
-    return bx.EndpointConnectionError(endpoint_url=url)
+def _connection_error(exc: http_wire.WireError, url: str, bx: Any) -> Exception:
+    """The botocore exception for a connection failure, for ``translate``'s wording: what went wrong and
+    whether the server was reached, as the signed client reports them."""
+    cause = exc.cause
+    detail = f"{exc.what} ({cause.strerror})" if isinstance(cause, OSError) and cause.strerror else exc.what
+    reached = not isinstance(exc, http_wire.ConnectError)
+    return bx.EndpointConnectionError(endpoint_url=url, error=detail, reached=reached)

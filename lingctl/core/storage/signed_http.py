@@ -5,7 +5,7 @@ request from the service model, a dozen event hooks, response parsing into dicts
 plumbing. Copying thousands of small objects pays that thousands of times. This client keeps only what the
 wire needs: the URL, SigV4 headers (``sigv4``, lingctl's own signer, with credentials and region resolved as
 ``make_client`` resolves them), one request on a shared, thread-safe connection pool (``http_wire``; urllib3's
-behind an http(s) proxy), and the answer's status, headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
+behind an https:// proxy), and the answer's status, headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
 
 Each call sends exactly one request; there are no retries here, so the caller's retry and AIMD policy sees
 every failure. Failures come out as two exception types, both subclasses of botocore's, so the existing
@@ -15,7 +15,15 @@ every failure. Failures come out as two exception types, both subclasses of boto
   ``code`` (S3's error code from the XML body, or the status as text for bodiless answers such as HEAD's)
   and ``message``, and ``response`` shaped as botocore's (``Error.Code``, ``ResponseMetadata.HTTPStatusCode``).
 - ``S3ConnectionError`` (an ``EndpointConnectionError``): no complete answer: refused, reset, timed out, or a
-  body cut short. Always worth retrying.
+  body cut short, malformed, too large or too slow. Always worth retrying.
+
+A certificate that fails verification is neither: it raises ``CertificateError`` at once, since sending the
+request again cannot help.
+
+Every answer is bounded (``http_wire``): a GET by the range asked for or the object's size when the caller
+knows it (``size``), else by ``MAX_UNSIZED_READ``; every other answer by ``_SMALL_ANSWER``, error answers by
+1 MiB. Behind an ``https://`` proxy the requests go through urllib3, where only part of that holds
+(``http_wire.ProxiedPool``).
 
 Payload hashing: a PUT is signed with ``UNSIGNED-PAYLOAD`` when it goes over https or carries a CRC64NVME
 header, and with the body's SHA-256 otherwise (``sign_payload`` overrides). The AWS SDKs and aws-cli send
@@ -25,8 +33,8 @@ SHA-256 would add protection against deliberate tampering on a plain-http path, 
 MiB (12 us per 16 KiB PUT, 0.5 s for a 600 MB copy). Note that ``rclone serve s3`` (v1.75) checks neither
 the SHA-256 nor the CRC64NVME of a body, only Content-MD5.
 
-Importing this module imports botocore's exception classes (not its signer or session; urllib3 only behind a
-proxy): import it where S3 is actually used.
+Importing this module imports botocore's exception classes (not its signer or session; urllib3 only behind an
+https:// proxy): import it where S3 is actually used.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import html
 import os
 import re
 from collections.abc import Mapping
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -44,9 +53,10 @@ import botocore.exceptions
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import http_wire, sigv4
-from lingctl.core.storage.s3_client import S3Options, ca_bundle, translate
+from lingctl.core.storage.s3_client import S3Options, ca_bundle, certificate_error, translate
+from lingctl.core.storage.url import server_words
 
-Headers = Mapping[str, str]  # case-insensitive (http_wire.Headers, or urllib3's HTTPHeaderDict via a proxy)
+Headers = Mapping[str, str]  # case-insensitive (http_wire.Headers, or urllib3's HTTPHeaderDict via an https proxy)
 
 META_PREFIX = "x-amz-meta-"
 _CODE_RE = re.compile(r"<Code>([^<]*)</Code>")
@@ -56,6 +66,15 @@ _ETAG_RE = re.compile(r"<ETag>([^<]*)</ETag>")
 # Buckets that can be a DNS label under the endpoint's host; others go path style, as botocore's "auto" does.
 _DNS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _EMPTY_HEADERS = http_wire.Headers()
+# The largest whole-object GET whose size the caller does not know (markers, manifests, doctor's probe
+# object, at most 1 GiB): a server that sends more is refused. Reads of listed objects are bounded by
+# their listed size instead, ranged reads by the range.
+MAX_UNSIZED_READ = 1 << 30
+# Answers that are not object data: an empty PUT or DELETE answer, the small XML of the multipart requests.
+_SMALL_ANSWER = 1 << 20
+# CompleteMultipartUpload may take minutes (AWS: "several minutes"), sending a space every few seconds to
+# keep the connection open; its answer is bounded by this total time instead of the low-speed rule.
+_COMPLETE_S = 30 * 60.0
 _REPLY_HEADERS = (
     ("ContentLength", "Content-Length"),
     ("ETag", "ETag"),
@@ -129,19 +148,39 @@ def user_metadata(headers: Headers) -> dict[str, str]:
     return {name[cut:].lower(): value for name, value in headers.items() if name.lower().startswith(META_PREFIX)}
 
 
-def as_reply(headers: Headers) -> dict[str, Any]:
+def as_reply(headers: Headers, *, operation: str = "GetObject", key: str = "", whole: bool = False) -> dict[str, Any]:
     """The fields of a boto3 HeadObject/GetObject reply that lingctl reads (``ContentLength``, ``ETag``,
     ``LastModified`` as an aware datetime, ``Metadata``, ``ChecksumCRC64NVME``, ``ChecksumType``,
-    ``ContentRange``), built from raw answer headers, so one reply parser serves both clients."""
+    ``ContentRange``), built from raw answer headers, so one reply parser serves both clients.
+
+    A header that cannot mean what it should (a size that is not a number, a date that is not one) is an
+    ``S3HTTPError`` with code ``MalformedReply``, as is, with ``whole``, a missing size or date (the fields
+    a HEAD must carry): one line naming the header, never a traceback."""
     reply: dict[str, Any] = {"Metadata": user_metadata(headers)}
     for field, header in _REPLY_HEADERS:
         value = headers.get(header)
         if value is not None:
             reply[field] = value
+
+    def malformed(what: str) -> S3HTTPError:
+        return S3HTTPError(status=200, code="MalformedReply", message=what, operation=operation, key=key)
+
     if "ContentLength" in reply:
-        reply["ContentLength"] = int(reply["ContentLength"])
+        try:
+            reply["ContentLength"] = http_wire.content_length(reply["ContentLength"])
+        except http_wire.WireError as exc:
+            raise malformed(str(exc)) from None
     if "LastModified" in reply:
-        reply["LastModified"] = parsedate_to_datetime(reply["LastModified"])
+        try:
+            modified = parsedate_to_datetime(reply["LastModified"])
+        except (TypeError, ValueError, IndexError):
+            modified = None
+        if modified is None:
+            raise malformed(f"malformed Last-Modified {reply['LastModified'][:40]!r}")
+        # RFC 2822's "-0000" (zone unknown) parses without a zone; HTTP dates are GMT.
+        reply["LastModified"] = modified if modified.tzinfo else modified.replace(tzinfo=timezone.utc)
+    if whole and ("ContentLength" not in reply or "LastModified" not in reply):
+        raise malformed("the answer lacks Content-Length or Last-Modified")
     return reply
 
 
@@ -201,38 +240,20 @@ class SignedS3Client:
         self._https = https
         self.sign_payload = sign_payload  # None: hash the body only over http and without a checksum header
         ca_certs = ca_bundle() if https else None
-        proxy = http_wire.proxy_for(parts.scheme, parts.hostname or "")
-        self._wire: http_wire.Pool | None = None
-        if proxy:
-            import urllib3  # only behind a proxy: direct connections need none of it
-
-            timeout = urllib3.Timeout(connect=options.connect_timeout, read=options.read_timeout)
-            kwargs: dict[str, Any] = {"maxsize": max_connections, "timeout": timeout, "ca_certs": ca_certs}
-            self._manager: Any = urllib3.ProxyManager(proxy, num_pools=1, **kwargs)
-            # An http proxy takes the absolute URL as the request target; an https one is a tunnel.
-            self._absolute = not https
-            self._pool = self._manager.connection_from_url(self._origin)
-        else:
-            # Direct connections go through lingctl's own keep-alive client: a third of urllib3's CPU per
-            # request (http_wire's docstring), which is most of the client's work on small objects.
-            origin = urlsplit(self._origin)
-            self._wire = http_wire.Pool(
-                origin.hostname or "",
-                origin.port or (443 if https else 80),
-                https=https,
-                connect_timeout=options.connect_timeout,
-                read_timeout=options.read_timeout,
-                maxsize=max_connections,
-                ca_certs=ca_certs,
-            )
-            self._absolute = False
+        # lingctl's own keep-alive client (directly or through an http:// proxy): a third of urllib3's CPU
+        # per request (http_wire's docstring), which is most of the client's work on small objects.
+        self._wire = http_wire.open_pool(
+            self._origin,
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
+            low_speed_limit=options.low_speed_limit,
+            maxsize=max_connections,
+            ca_certs=ca_certs,
+        )
         self._user_agent = f"lingctl/{_version()}"
 
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
-        else:
-            self._manager.clear()
+        self._wire.close()
 
     def __enter__(self) -> SignedS3Client:
         return self
@@ -258,6 +279,7 @@ class SignedS3Client:
         length: int | None = None,
         if_match: str | None = None,
         checksum_mode: bool = False,
+        size: int | None = None,
     ) -> tuple[bytes, Headers]:
         """The object's bytes from ``offset`` (``length`` of them, or to the end) and the answer's headers.
 
@@ -266,18 +288,28 @@ class SignedS3Client:
         answer 412 PreconditionFailed when the object is no longer that version; rclone serve s3 (v1.75)
         ignores it, so a caller that pins a version still compares the answer's ETag. ``checksum_mode`` asks
         for the stored checksum headers (AWS sends them only when asked); nothing here checks the body
-        against them.
+        against them. ``size``: the object's size, when the caller knows it (from a listing or a HEAD).
+
+        The answer may bring no more than was asked for: the range, else ``size``, else ``MAX_UNSIZED_READ``
+        bytes (a server that ignores Range may send the whole object, up to ``size`` or that limit). More is
+        ``S3ConnectionError`` whose cause is ``http_wire.AnswerTooLarge``, and nothing more is read.
         """
         if offset < 0 or (length is not None and length < 1):
             raise ValueError(f"need offset >= 0 and length >= 1 (or None), got offset={offset}, length={length}")
         headers: dict[str, str] = {}
+        whole = size if size is not None else MAX_UNSIZED_READ
+        limit: http_wire.Limit = whole
         if offset or length is not None:
             headers["Range"] = f"bytes={offset}-{'' if length is None else offset + length - 1}"
-        if if_match is not None:
+            part = length if length is not None else (max(0, size - offset) if size is not None else whole)
+            limit = _range_limit(part, whole)
+
+        # An ETag is data from a listing: sent only when it cannot break the request's header block.
+        if if_match is not None and if_match.isascii() and if_match.isprintable():
             headers["If-Match"] = if_match if if_match.startswith('"') or if_match == "*" else f'"{if_match}"'
         if checksum_mode:
             headers["x-amz-checksum-mode"] = "ENABLED"
-        resp = self._send("GET", "GetObject", key, headers, None)
+        resp = self._send("GET", "GetObject", key, headers, None, limit=limit)
         if "Range" in headers and "Content-Range" not in resp.headers:
             # A server that ignores Range sends the whole object; cut out what was asked for. (Status 200
             # alone does not tell: rclone serve s3 answers ranged reads with 200 and a Content-Range.)
@@ -377,6 +409,7 @@ class SignedS3Client:
             {"Content-Length": str(len(body))},
             body,
             query=f"uploadId={quote(upload_id, safe='-_.~')}",
+            slow_answer_s=_COMPLETE_S,
         )
         text = resp.data.decode("utf-8", errors="replace")
         if "<Error>" in text:
@@ -404,7 +437,9 @@ class SignedS3Client:
         *,
         target: str | None = None,
         query: str = "",
-    ) -> Any:
+        limit: http_wire.Limit = _SMALL_ANSWER,
+        slow_answer_s: float | None = None,
+    ) -> http_wire.Reply:
         target = self._target(key) if target is None else target
         if query:
             target = f"{target}?{query}"
@@ -421,46 +456,26 @@ class SignedS3Client:
             path, _, query = target.partition("?")
             headers = self._signer.sign(method, path, query, headers, payload)
         headers["User-Agent"] = self._user_agent  # after signing: never signed, so proxies may rewrite it
-        if self._wire is not None:
-            try:
-                resp: Any = self._wire.request(method, target, headers, body)
-            except http_wire.WireError as exc:
-                raise S3ConnectionError(endpoint_url=self.endpoint or self._origin, error=_describe_wire(exc)) from exc
-            if resp.status >= 300:
-                raise _http_error(resp, operation, key)
-            return resp
-        import urllib3
-
         try:
-            if self._absolute:
-                resp = self._manager.urlopen(
-                    method,
-                    self._origin + target,
-                    body=body,
-                    headers=headers,
-                    retries=False,
-                    redirect=False,
-                    decode_content=False,
-                )
-            else:
-                # The pool itself, with a path target: urllib3's URL parser would drop "." and ".." key
-                # segments, and the pool manager would parse and look up the pool on every call.
-                # urllib3 sends any bytes-like body (http.client does); its stubs name only bytes.
-                resp = self._pool.urlopen(
-                    method,
-                    target,
-                    body=body,  # type: ignore[arg-type]
-                    headers=headers,
-                    retries=False,
-                    redirect=False,
-                    assert_same_host=False,
-                    decode_content=False,
-                )
-        except urllib3.exceptions.HTTPError as exc:
-            raise S3ConnectionError(endpoint_url=self.endpoint or self._origin, error=_describe(exc)) from exc
+            resp = self._wire.request(method, target, headers, body, limit=limit, slow_answer_s=slow_answer_s)
+        except http_wire.WireError as exc:
+            where = self.endpoint or self._origin
+            if (cert := http_wire.certificate_failure(exc)) is not None:
+                raise certificate_error(where, cert) from exc  # retrying cannot fix it
+            reached = not isinstance(exc, http_wire.ConnectError)
+            raise S3ConnectionError(endpoint_url=where, error=_describe_wire(exc), reached=reached) from exc
         if resp.status >= 300:
             raise _http_error(resp, operation, key)
         return resp
+
+
+def _range_limit(part: int, whole: int) -> http_wire.Limit:
+    """A ranged GET's body limit: the range, or the whole object from a server that ignores Range."""
+
+    def limit(status: int, answer: Headers) -> int:
+        return part if "Content-Range" in answer else whole
+
+    return limit
 
 
 def _checked_metadata(metadata: Mapping[str, str]) -> Mapping[str, str]:
@@ -474,8 +489,10 @@ def _http_error(resp: Any, operation: str, key: str, *, status: int | None = Non
     text = resp.data.decode("utf-8", errors="replace") if resp.data else ""
     code_m, message_m = _CODE_RE.search(text), _MESSAGE_RE.search(text)
     status = status or resp.status
-    code = html.unescape(code_m.group(1)) if code_m else str(status)
-    message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
+    # What the server says is data: shortened, and cleared of anything that looks like a credential (a
+    # server may echo the request's Authorization header back).
+    code = server_words(html.unescape(code_m.group(1))) if code_m else str(status)
+    message = server_words(html.unescape(message_m.group(1)) if message_m else (resp.reason or code))
     return S3HTTPError(
         status=status,
         code=code,
@@ -485,15 +502,6 @@ def _http_error(resp: Any, operation: str, key: str, *, status: int | None = Non
         request_id=resp.headers.get("x-amz-request-id"),
         headers=resp.headers,
     )
-
-
-def _describe(exc: Exception) -> str:
-    """What went wrong, in words without the URL (the message names the endpoint once): urllib3's error
-    class and the operating system's reason, e.g. "ProtocolError (Connection reset by peer)"."""
-    cause = next((a for a in exc.args if isinstance(a, BaseException)), None) or exc.__cause__ or exc.__context__
-    if isinstance(cause, OSError) and cause.strerror:
-        return f"{type(exc).__name__} ({cause.strerror})"
-    return f"{type(exc).__name__} ({type(cause).__name__})" if cause is not None else type(exc).__name__
 
 
 def _describe_wire(exc: http_wire.WireError) -> str:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lingctl.core.storage.url import add_secret
+
 ALGORITHM = "AWS4-HMAC-SHA256"
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -80,11 +82,13 @@ class Signer:
         self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
         self._lock = threading.Lock()
         self._key: tuple[str, str, bytes] | None = None  # (secret, date, signing key)
+        self._token: str | None = None
 
     def _signing_key(self, secret: str, date: str) -> bytes:
         with self._lock:
             if self._key is not None and self._key[0] == secret and self._key[1] == date:
                 return self._key[2]
+        add_secret(secret)  # once per secret and day: no error message may ever quote it
         key = _hmac(("AWS4" + secret).encode(), date)
         for part in (self.region, self.service, "aws4_request"):
             key = _hmac(key, part)
@@ -108,6 +112,9 @@ class Signer:
         out["x-amz-date"] = amz_date
         out["x-amz-content-sha256"] = payload_hash
         if creds.token:
+            if creds.token is not self._token:  # a new token (refreshed credentials): never to be shown
+                add_secret(creds.token)
+                self._token = creds.token
             out["x-amz-security-token"] = creds.token
         signed = sorted(
             (k.lower(), " ".join(str(v).split())) for k, v in out.items() if k.lower() not in _UNSIGNED_HEADERS

@@ -4,7 +4,8 @@ A URL names a *root*: a local directory or a bucket plus a key prefix treated as
 does), so ``s3://b/data`` and ``s3://b/data/`` are the same root and hold the key ``x`` at ``data/x``.
 
 Endpoint URLs may carry secrets a user pasted into them (``http://user:password@host``, a presigned
-query): every URL that is shown, in errors, logs or reports, goes through ``redact_url`` first.
+query): every URL that is shown, in errors, logs or reports, goes through ``redact_url`` first. Text a
+server sent (an error message, which may echo the signed request back) goes through ``redact_secrets``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ _SECRET_PARAM_RE = re.compile(
     r"([?&;])([^=&#\s]*(?:sig|token|secret|passw|pwd|credential|key|auth)[^=&#\s]*)=([^&#\s]*)", re.IGNORECASE
 )
 REDACTED = "***"
+# Credentials as they appear in a signed request, which a server may echo back in an error: the whole value
+# of an Authorization header (SigV4 "AWS4-HMAC-SHA256 Credential=..., Signature=...", SigV2 "AWS key:sig",
+# anything else), and the named fields of presigned URLs and SigV4 headers wherever they appear.
+_AUTHORIZATION_RE = re.compile(r"(?i)(\bauthorization\b[\"']?\s*[:=]\s*[\"']?)([^\r\n<>\"']+)")
+_SIGV4_RE = re.compile(r"AWS4-HMAC-SHA256\s[^\r\n<>\"']*")
+_SIGV2_RE = re.compile(r"\bAWS [A-Za-z0-9]{16,128}:[A-Za-z0-9+/=]{20,}")
+_AUTH_FIELD_RE = re.compile(
+    r"(?i)\b(x-amz-signature|x-amz-credential|x-amz-security-token|signature|credential|awsaccesskeyid)"
+    r"([\"']?\s*[:=]\s*[\"']?)([^\s,&;\"'<>]+)"
+)
+# Secrets lingctl itself signs with (the secret key, the session token): never shown, wherever they appear.
+_KNOWN_SECRETS: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +133,37 @@ def check_object_key(key: str) -> str:
     return key
 
 
+def add_secret(secret: str | None) -> None:
+    """Remember a credential lingctl uses (a secret key, a session token), so ``redact_secrets`` removes it
+    from any text, however a server quotes it."""
+    if secret and len(secret) >= 8:  # a short one would blank out ordinary words
+        _KNOWN_SECRETS.add(secret)
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with credentials replaced by ``***``: Authorization header values, SigV4/SigV2 signatures,
+    ``X-Amz-Signature``/``-Credential``/``-Security-Token`` and ``Signature``/``Credential`` fields, and
+    the secrets registered with ``add_secret``."""
+    text = _SIGV4_RE.sub(f"AWS4-HMAC-SHA256 {REDACTED}", text)
+    text = _SIGV2_RE.sub(f"AWS {REDACTED}", text)
+    text = _AUTHORIZATION_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
+    text = _AUTH_FIELD_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    for secret in list(_KNOWN_SECRETS):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def server_words(text: str, limit: int = 200) -> str:
+    """Text a server sent (an error code or message), fit to show: redacted, then cut to ``limit``
+    characters (in that order, so no secret cut in two escapes redaction)."""
+    return redact_secrets(text[: 16 * limit])[:limit]
+
+
 def redact_url(text: str) -> str:
-    """``text`` (a URL, or a message holding URLs) with user:password and secret query values replaced by
-    ``***``, and control characters escaped: safe to show on a terminal, in a log or in a JSON report."""
+    """``text`` (a URL, or a message holding URLs) with user:password, secret query values and credentials
+    (``redact_secrets``) replaced by ``***``, and control characters escaped: safe to show on a terminal, in
+    a log or in a JSON report."""
 
     def userinfo(m: re.Match[str]) -> str:
         scheme = m.group(1)[:-3].lower()
@@ -130,14 +171,17 @@ def redact_url(text: str) -> str:
 
     text = _USERINFO_RE.sub(userinfo, text)
     text = _SECRET_PARAM_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}={REDACTED}", text)
-    return printable(text)
+    return printable(redact_secrets(text))
 
 
 def check_endpoint_url(text: str) -> str:
     """An S3 endpoint as ``http(s)://host[:port][/path]`` (no trailing '/'), else a one-line ``UsageError``
     that shows the URL redacted. User info is dropped: S3 requests are signed with the AWS credentials,
     so a user:password in the URL is never used, and a URL without it cannot leak it later."""
-    shown = redact_url(text)
+    # An endpoint takes no query or fragment, and what people paste there is a presigned URL or a token:
+    # shown without any of it.
+    bare = text.split("?", 1)[0].split("#", 1)[0]
+    shown = redact_url(bare) + (f"?{REDACTED}" if bare != text else "")
     hint = "write it as http(s)://host[:port], e.g. http://127.0.0.1:9000"
     if any(ch.isspace() or not ch.isprintable() for ch in text):
         raise UsageError(f"invalid endpoint URL {shown!r}: it holds spaces or control characters", hint=hint)
@@ -149,5 +193,7 @@ def check_endpoint_url(text: str) -> str:
         raise UsageError(f"invalid endpoint URL {shown!r}: malformed host or port", hint=hint) from None
     if parts.scheme.lower() not in ("http", "https") or not host:
         raise UsageError(f"invalid endpoint URL {shown!r}", hint=hint)
+    if bare != text:
+        raise UsageError(f"invalid endpoint URL {shown!r}: an S3 endpoint takes no query or fragment", hint=hint)
     netloc = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
