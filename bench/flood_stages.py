@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from flood_vs_hf import build_ling, ling_config, workload_a  # noqa: E402
 
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest, LocalRunner  # noqa: E402
-from lingctl.flood.model_dir import ModelDir  # noqa: E402
-from lingctl.flood.pipeline import PipelineRunner  # noqa: E402
-from lingctl.flood.sampling import SamplingParams  # noqa: E402
-from lingctl.flood.segment_cache import KVPool  # noqa: E402
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest, LocalRunner  # noqa: E402
+from lingctl.flood.engine.pipeline import PipelineRunner  # noqa: E402
+from lingctl.flood.engine.sampling import SamplingParams  # noqa: E402
+from lingctl.flood.engine.segment_cache import KVPool  # noqa: E402
+from lingctl.flood.weights.model_dir import ModelDir  # noqa: E402
 from lingctl.model.checkpoint import save_checkpoint  # noqa: E402
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from flood_vs_hf import build_ling, ling_config  # noqa: E402
 
-from lingctl.core.cpu_load import LoadMeter, read_budget, sample  # noqa: E402
+from lingctl.flood.engine.cpu_load import LoadMeter, read_budget, sample  # noqa: E402
 from lingctl.model.checkpoint import save_checkpoint  # noqa: E402
 
 GOAL_BUSY = 0.9  # default / --threads 1, with one busy competitor

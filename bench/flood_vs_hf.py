@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 import lingctl
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest
-from lingctl.flood.sampling import SamplingParams
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.sampling import SamplingParams
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 

@@ -67,7 +67,7 @@ from pathlib import Path
 # torch loads. vLLM's processes get the environment as it was (see VllmSide).
 USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 try:
-    from lingctl.flood.threads import prefer_passive_wait
+    from lingctl.flood.engine.threads import prefer_passive_wait
 except ImportError:  # a lingctl without a thread policy leaves OpenMP's defaults
     pass
 else:
@@ -319,7 +319,7 @@ def thread_modes() -> dict[str, Mode]:
 def flood_default_threads() -> tuple[int, str]:
     """What `lingctl flood run` uses without --threads for a float32 model, and how it chose."""
     try:
-        from lingctl.flood.threads import ThreadPolicy
+        from lingctl.flood.engine.threads import ThreadPolicy
     except ImportError:  # a lingctl without a thread policy: torch's default
         return TORCH_DEFAULT_THREADS, "torch's default"
     policy = ThreadPolicy.for_run(None, "float32", set_threads=lambda n: None)

@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter  # noqa: E402
 
-from lingctl.pcache.planner import PCacheSavePlanner  # noqa: E402
+from lingctl.pcache.save_planner import PCacheSavePlanner  # noqa: E402
 from lingctl.pcache.throttle import NodeThrottle, Throttles  # noqa: E402
 from lingctl.pcache.writer import PCacheWriter  # noqa: E402
 from tests.support.dist import run_workers  # noqa: E402

@@ -34,8 +34,8 @@ from typing import Any
 
 from lingctl.core.checksum import crc64_bytes
 from lingctl.core.local_s3 import find_rclone, serve_s3
-from lingctl.core.storage.s3_client import S3Options, make_client
-from lingctl.core.storage.signed_http import SignedS3Client
+from lingctl.core.storage.s3.client import S3Options, make_client
+from lingctl.core.storage.s3.signed_http import SignedS3Client
 
 BUCKET = "cost"
 SIZE = 16 << 10

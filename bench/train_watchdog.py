@@ -120,7 +120,7 @@ def observer_cost(n: int = 2000) -> float:
 
     from lingctl.model.moe import RouterOutput
     from lingctl.train.config import WatchdogConfig
-    from lingctl.train.health import RoutingHealth, StragglerWatch
+    from lingctl.train.supervise.health import RoutingHealth, StragglerWatch
 
     config = WatchdogConfig()
     routing = RoutingHealth(config, [1], 8)

@@ -14,7 +14,7 @@ import pytest
 
 from lingctl.core.local_s3 import LocalS3Server, serve_s3
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 
 # Variables that could point a test at a real account or another endpoint; tests set their own.
 AWS_VARS = (

@@ -89,6 +89,6 @@ def test_building_the_cli_loads_no_heavy_module() -> None:
         "lingctl.flood",
         "lingctl.pcache",
         "lingctl.timer",
-        "lingctl.core.doctor",
+        "lingctl.doctor",
     }
     assert not heavy & loaded

@@ -24,7 +24,7 @@ from lingctl.core.units import parse_size
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from lingctl.core.doctor import Check, DoctorReport
+    from lingctl.doctor import Check, DoctorReport
 
 _MAX_PROBE = 1 << 30
 _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
@@ -55,7 +55,7 @@ def doctor(
     Exits with the code of the first failed check (5: endpoint unreachable, 3: bucket missing, 1: credentials).
     """
     # Loaded here, not at start-up: every lingctl command imports this module to register `doctor`.
-    from lingctl.core.doctor import run_doctor
+    from lingctl.doctor import run_doctor
 
     out = Output(json)
     size = parse_size(probe_size)
@@ -75,8 +75,8 @@ def doctor(
 
 def flood_kernels_check() -> Check:
     """Whether flood's compiled CPU kernels build and load here, and if not, why (flood then runs slower)."""
-    from lingctl.core.doctor import Check
-    from lingctl.flood import native
+    from lingctl.doctor import Check
+    from lingctl.flood.engine import native
 
     loaded = native.kernels()  # builds them on first use, as a flood run would
     if loaded is not None:

@@ -1,4 +1,4 @@
-"""`lingctl flood run`: offline batch inference; a thin wrapper over lingctl.flood.run."""
+"""`lingctl flood run`: offline batch inference; a thin wrapper over lingctl.flood.batch.run."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from lingctl.core.output import Output, to_jsonable
 from lingctl.core.units import format_size
 
 if TYPE_CHECKING:
-    from lingctl.flood.engine import EngineStats
-    from lingctl.flood.run import FloodSummary
+    from lingctl.flood.batch.run import FloodSummary
+    from lingctl.flood.engine.loop import EngineStats
 
 app = typer.Typer(
     help="Offline batch inference: continuous batching, segment KV cache, prefix sharing, pipeline stages.",
@@ -110,7 +110,7 @@ def run(
     Ctrl-C or SIGTERM stops after the current step and exits 130; every answer written so far is kept, and
     --resume continues without repeating any.
     """
-    from lingctl.flood.run import FloodOptions, run_batch  # torch loads only here
+    from lingctl.flood.batch.run import FloodOptions, run_batch  # torch loads only here
 
     to_stdout = out is not None and str(out) == STDOUT
     if to_stdout and resume:

@@ -1,5 +1,5 @@
 """`lingctl flood eval`: score a model, or every checkpoint of a training run, on task files; a thin wrapper
-over lingctl.flood.eval_run."""
+over lingctl.flood.eval.run."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
 
 if TYPE_CHECKING:
-    from lingctl.flood.eval_run import EvalSummary, Progress
+    from lingctl.flood.eval.run import EvalSummary, Progress
 
 
 def eval_cmd(
@@ -118,8 +118,8 @@ def eval_cmd(
     one checkpoint give the same bits. A rerun reuses an output written with the same settings, and continues an
     interrupted one; Ctrl-C stops after the current step (exit 130) and keeps what is done.
     """
-    from lingctl.flood.eval_run import EvalOptions, run_eval  # torch loads only here
-    from lingctl.flood.options import EngineOptions
+    from lingctl.flood.engine.options import EngineOptions
+    from lingctl.flood.eval.run import EvalOptions, run_eval  # torch loads only here
 
     at_least("--poll", poll, 0.1)
     to_stdout = out is not None and str(out) == STDOUT
@@ -162,7 +162,7 @@ def _public(s: EvalSummary) -> dict[str, Any]:
 
 
 def _render(s: EvalSummary, console: Any) -> None:
-    from lingctl.flood.eval_report import drop_lines
+    from lingctl.flood.eval.report import drop_lines
 
     for r in s.results:
         where = r.model if r.step is None else f"step {r.step}" + (f" ({r.tokens:,} tokens)" if r.tokens else "")

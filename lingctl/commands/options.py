@@ -11,7 +11,7 @@ import typer
 
 from lingctl.core.errors import UsageError
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3_client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
+from lingctl.core.storage.s3.client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
 from lingctl.core.storage.url import check_endpoint_url
 from lingctl.core.units import parse_duration
 
@@ -19,7 +19,7 @@ log = logging.getLogger("lingctl.commands")
 
 # One default for every command that talks to a store. Five attempts, the first included: a request that
 # fails five times in a row (with backoff between) is not a transient fault, and five is already the floor
-# that babel's listings use for their many pages (lingctl.core.storage.s3_listing).
+# that babel's listings use for their many pages (lingctl.core.storage.s3.listing).
 DEFAULT_RETRIES = 5
 
 # Fixed sets of values: Typer checks them (a bad one is a usage error, exit 2) and --help lists them.

@@ -362,7 +362,7 @@ def plot(
     json: JsonOpt = False,
 ) -> None:
     """Draw a run's curves into a PNG: loss and eval loss, learning rate, expert load (max cv over layers)."""
-    from lingctl.train.metrics_file import read_records
+    from lingctl.runs.records import read_records
     from lingctl.train.plot import PLOT_FILE, plot_metrics
     from lingctl.train.rundir import METRICS
 
@@ -388,7 +388,7 @@ app.command("align")(train_align.align)
 
 def _check_plot_is_ours(run: Path, name: str) -> None:
     """RUN/loss.png is overwritten only when the run's manifest lists it (lingctl wrote it)."""
-    from lingctl.train.manifest import MANIFEST, Manifest
+    from lingctl.runs.layout import MANIFEST, Manifest
 
     if not (run / name).exists():
         return

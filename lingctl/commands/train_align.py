@@ -85,8 +85,8 @@ def align(
     Exit codes: 0 every entry within tolerance; 4 a module breaks it (verification failed); 2 bad options
     or a trace of another model or batch."""
     from lingctl.model.presets import preset as preset_config
-    from lingctl.train.align import AlignOptions, run_align
-    from lingctl.train.align_setup import AlignJob, parse_setup
+    from lingctl.train.align.compare import AlignOptions, run_align
+    from lingctl.train.align.setup import AlignJob, parse_setup
 
     out = Output(json)
     if preset is not None and model is not None:

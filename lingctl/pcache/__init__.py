@@ -10,7 +10,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "PCacheSavePlanner": "lingctl.pcache.planner",
+    "PCacheSavePlanner": "lingctl.pcache.save_planner",
     "PCacheWriter": "lingctl.pcache.writer",
     "NodeThrottle": "lingctl.pcache.throttle",
     "Topology": "lingctl.pcache.topology",

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lingctl.core.errors import LingctlError, VerificationError
 from lingctl.core.storage import S3Options, parse_url
 from lingctl.pcache import tier
-from lingctl.pcache.planner import DEFAULT_CHUNK_BYTES, PCacheSavePlanner, PlanSummary
 from lingctl.pcache.safe_reader import SafeReader, refusal_reason
+from lingctl.pcache.save_planner import DEFAULT_CHUNK_BYTES, PCacheSavePlanner, PlanSummary
 from lingctl.pcache.throttle import NodeThrottle
 from lingctl.pcache.topology import Topology
 from lingctl.pcache.writer import DEFAULT_BUFFER_BYTES, PCacheWriter

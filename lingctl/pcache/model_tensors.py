@@ -8,7 +8,7 @@ Three sources are read:
 - a checkpoint directory (``config.json`` and safetensors files, sharded or not): only the safetensors
   headers are read; a Ling (``bailing_moe``) config puts the tensors in the model's own order, any other
   in natural name order. A Hugging Face model id (``org/name[@rev]``) that is not a local path names its
-  snapshot directory in the Hugging Face cache (``lingctl.core.hub``);
+  snapshot directory in the Hugging Face cache (``lingctl.model.hub``);
 - a JSON file listing ``[{"name", "shape", "dtype"}]``, in the order given.
 
 Where the source gives no config, layers and experts are counted from the tensor names and the number of
@@ -86,7 +86,7 @@ class Model:
 def load_model(source: str) -> Model:
     """A preset name, a checkpoint directory (config.json + safetensors; only headers are read) or a Hugging
     Face model id naming one in the cache, or a JSON file listing ``[{"name", "shape", "dtype"}]``."""
-    from lingctl.core.hub import is_repo_id, resolve_model_dir
+    from lingctl.model.hub import is_repo_id, resolve_model_dir
     from lingctl.model.presets import PRESETS, preset
 
     if source in PRESETS:

@@ -40,7 +40,7 @@ from torch.futures import Future
 from lingctl.core.atomic import atomic_write
 from lingctl.core.checksum import Crc64, crc64_file
 from lingctl.core.errors import UsageError
-from lingctl.pcache.planner import item_bytes
+from lingctl.pcache.save_planner import item_bytes
 from lingctl.pcache.throttle import NodeThrottle, Throttles
 
 log = logging.getLogger(__name__)

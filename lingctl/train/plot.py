@@ -11,7 +11,7 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
-from lingctl.train.manifest import PLOT as PLOT_FILE  # noqa: F401  (re-exported: the run's default plot)
+from lingctl.runs.layout import PLOT as PLOT_FILE  # noqa: F401  (re-exported: the run's default plot)
 
 
 def plot_metrics(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:

@@ -14,11 +14,11 @@ from lingctl.core.config import build, from_mapping, load_toml, to_dict
 from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.core.storage import S3Options
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
+from lingctl.runs.records import read_records
 from lingctl.train import report
 from lingctl.train.config import TrainConfig, check_model_changes, check_preset_shape
 from lingctl.train.data import resolve_sources
 from lingctl.train.local_sgd import LocalSgdTrainer
-from lingctl.train.metrics_file import read_records
 from lingctl.train.plot import PLOT_FILE, plot_metrics
 from lingctl.train.rundir import METRICS, RunDir
 from lingctl.train.sources import open_init_source

@@ -35,7 +35,7 @@ from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
 from lingctl.model.checkpoint_files import STATE_DIR, TOKENIZER
 from lingctl.pcache import tier
-from lingctl.train.manifest import (
+from lingctl.runs.layout import (
     CHECKPOINTS,
     LATEST,
     METRICS,
@@ -45,7 +45,7 @@ from lingctl.train.manifest import (
     checkpoint_step,
     parse_latest,
 )
-from lingctl.train.owned import LocalPlace, OwnedPlace, StorePlace
+from lingctl.runs.owned import LocalPlace, OwnedPlace, StorePlace
 
 __all__ = ["CHECKPOINTS", "LATEST", "METRICS", "RunDir", "checkpoint_name", "staging_dir"]
 

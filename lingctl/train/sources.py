@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
-from lingctl.core.hub import is_repo_id, resolve_model_dir
 from lingctl.model.checkpoint import load_config, weight_files
 from lingctl.model.checkpoint_files import CONFIG, TOKENIZER, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
 from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
+from lingctl.model.hub import is_repo_id, resolve_model_dir
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,9 +15,9 @@ from typing import Any
 
 from lingctl.core.errors import NotFoundError
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
-from lingctl.train.incidents import read as read_incidents
-from lingctl.train.manifest import LATEST, METRICS, parse_latest
-from lingctl.train.metrics_file import read_records
+from lingctl.runs.layout import LATEST, METRICS, parse_latest
+from lingctl.runs.records import read_records
+from lingctl.train.supervise.incidents import read as read_incidents
 
 THROUGHPUT_STEPS = 10  # "current throughput": the mean over this many last steps
 

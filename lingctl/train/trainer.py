@@ -45,17 +45,19 @@ from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.pcache.checkpoint import saved_keys
 from lingctl.pcache.tier import read_marker
-from lingctl.train import divergence, losses, metrics_file, schedule
+from lingctl.runs import records as metrics_file
+from lingctl.train import losses, schedule
 from lingctl.train.config import TrainConfig, parse_pair, resolve
 from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData, prepare_data
-from lingctl.train.health import RoutingHealth, StragglerWatch
-from lingctl.train.incidents import INCIDENT_DIR, INCIDENTS, Incident
-from lingctl.train.incidents import append as append_incident
-from lingctl.train.incidents import read as read_incidents
 from lingctl.train.rundir import METRICS, RunDir, checkpoint_name
 from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
 from lingctl.train.spike import SpikeGuard, Verdict
+from lingctl.train.supervise import divergence
+from lingctl.train.supervise.health import RoutingHealth, StragglerWatch
+from lingctl.train.supervise.incidents import INCIDENT_DIR, INCIDENTS, Incident
+from lingctl.train.supervise.incidents import append as append_incident
+from lingctl.train.supervise.incidents import read as read_incidents
 from lingctl.train.workers import Workers, strided_rows
 
 log = logging.getLogger(__name__)

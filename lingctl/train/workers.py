@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lingctl.core.errors import UsageError
-from lingctl.train.agent import ATTEMPT_ENV
+from lingctl.train.supervise.agent import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def launch(
     recorded. Ctrl-C, SIGINT, SIGTERM and SIGHUP to this process are passed on to torchrun, which passes them
     to the workers (they finish their step, save and exit; ``signal_relay.py``). None is followed by a restart.
     """
-    from lingctl.train.agent import Job, JobOptions
+    from lingctl.train.supervise.agent import Job, JobOptions
 
     args = worker_args(argv)
     if out is None and "--resume" not in args:  # --resume without --out stays the workers' usage error

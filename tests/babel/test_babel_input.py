@@ -23,7 +23,7 @@ from lingctl.core.atomic import tmp_path as atomic_tmp_path
 from lingctl.core.errors import AccessDeniedError
 from lingctl.core.net import free_port
 from lingctl.core.storage import S3Options, StoreURL, parse_url
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 
 OTHER_UID = 65534  # nobody
 ESC_KEY = "esc\x1b[2J\x1b]0;pwned\x07.txt"

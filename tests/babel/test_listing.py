@@ -21,8 +21,9 @@ from lingctl.core.atomic import tmp_path as atomic_tmp_path
 from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError, UsageError
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
-from lingctl.core.storage import S3Options, s3_listing
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage import S3Options
+from lingctl.core.storage.s3 import listing as s3_listing
+from lingctl.core.storage.s3.store import make_client
 from tests.support.fault_proxy import FaultProxy, every_nth_once, first_n
 
 # Every character the lister places range boundaries at, but "/" (a directory on the server's disk).

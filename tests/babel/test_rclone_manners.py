@@ -27,7 +27,7 @@ from lingctl.core.errors import UsageError
 from lingctl.core.local_s3 import find_rclone
 from lingctl.core.output import Output
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 
 KiB, MiB = 1 << 10, 1 << 20
 TREE = {"a.bin": 3 * KiB, "d/b.bin": 5 * KiB, "d/e/c.txt": 100}

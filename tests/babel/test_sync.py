@@ -17,7 +17,7 @@ from lingctl.core.checksum import crc64_bytes, tag_from_b64
 from lingctl.core.errors import LingctlError
 from lingctl.core.storage import LocalStore as LocalSide
 from lingctl.core.storage import S3Options, parse_url
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 from tests.support.fault_proxy import FaultProxy, every_nth
 
 MiB = 1 << 20

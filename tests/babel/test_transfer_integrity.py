@@ -27,7 +27,7 @@ from lingctl.core.atomic import TMP_MARKER, host_tag
 from lingctl.core.errors import DiskFullError
 from lingctl.core.storage import LocalStore as LocalSide
 from lingctl.core.storage import S3Options, SourceChangedError, Version, parse_url
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 from tests.babel.test_sync import babel, make_tree, read_tree, s3_tree
 from tests.support.fault_proxy import FaultProxy, FaultRequest
 

@@ -52,7 +52,7 @@ def test_human_report(capsys) -> None:
 
 
 def test_doctor_says_why_flood_runs_without_its_kernels(capsys, tmp_path, monkeypatch) -> None:
-    from lingctl.flood import native
+    from lingctl.flood.engine import native
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -173,8 +173,8 @@ def test_endpoint_password_is_not_in_the_report_or_the_error(capsys, s3_env, s3_
 
 def test_library_check_redacts_an_endpoint_it_is_given(s3_env) -> None:
     # Library callers pass S3Options straight in: the check itself must not show the password either.
-    from lingctl.core.doctor import check_s3_endpoint
     from lingctl.core.storage import S3Options
+    from lingctl.doctor import check_s3_endpoint
 
     check = check_s3_endpoint(
         S3Options(endpoint_url=f"http://admin:hunter2@127.0.0.1:{free_port()}", max_attempts=1, connect_timeout=2)

@@ -11,7 +11,7 @@ import pytest
 
 from lingctl.cli import run as cli_run
 from lingctl.core.errors import EXIT_NOT_FOUND, NotFoundError
-from lingctl.flood.batch_output import manifest_path
+from lingctl.flood.batch.output import manifest_path
 from lingctl.model.safetensors_io import read_header
 from tests.support.hf_cache import cache_repo
 
@@ -87,7 +87,7 @@ def test_pcache_plan_reads_a_cached_hub_id_and_names_a_missing_one(
 
 
 def test_flood_run_of_a_missing_id_writes_nothing(hub_env, tmp_path, monkeypatch):
-    from lingctl.flood.run import FloodOptions, run_batch
+    from lingctl.flood.batch.run import FloodOptions, run_batch
 
     env, _ = hub_env
     for var in ("HF_HOME", "HF_HUB_OFFLINE"):

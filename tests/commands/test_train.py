@@ -17,7 +17,7 @@ import torch
 
 from lingctl.cli import run as cli_run
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 from lingctl.model.checkpoint import load_checkpoint
 from tests.commands.conftest import RUN20
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lingctl.cli import run as cli_run
-from lingctl.train.align_file import load_trace, save_trace
+from lingctl.train.align.trace_file import load_trace, save_trace
 from tests.conftest import run_lingctl
 
 SMALL = ("--batch-size", "2", "--seq-len", "8")

@@ -12,7 +12,7 @@ import pytest
 
 from lingctl.cli import run as cli_run
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 
 TINY = ("train", "--preset", "tiny", "--eval-every", "0")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lingctl.train.metrics_file import read_records
+from lingctl.runs.records import read_records
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lingctl.core.storage.http_wire import AnswerTooLarge, ConnectError, Pool, TooSlow, WireError
+from lingctl.core.storage.s3.http_wire import AnswerTooLarge, ConnectError, Pool, TooSlow, WireError
 from tests.support.hostile_http import (
     HostileServer,
     Script,
@@ -243,7 +243,7 @@ def _negative_chunk(request, wire) -> bool:
 def test_answers_read_through_urllib3_have_the_same_size_bounds(serve, script: Script, error: type) -> None:
     import urllib3
 
-    from lingctl.core.storage.http_wire import read_proxied
+    from lingctl.core.storage.s3.http_wire import read_proxied
 
     server = serve(script)
     manager = urllib3.PoolManager(timeout=urllib3.Timeout(connect=10, read=10))
@@ -255,8 +255,8 @@ def test_answers_read_through_urllib3_have_the_same_size_bounds(serve, script: S
 
 
 def test_the_signed_client_goes_through_an_http_proxy_from_the_environment(serve, monkeypatch) -> None:
-    from lingctl.core.storage.s3_client import S3Options
-    from lingctl.core.storage.signed_http import SignedS3Client
+    from lingctl.core.storage.s3.client import S3Options
+    from lingctl.core.storage.s3.signed_http import SignedS3Client
     from tests.support.hostile_http import proxy
 
     server = serve(proxy())

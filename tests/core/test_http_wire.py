@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lingctl.core.storage.http_wire import Pool, WireError
+from lingctl.core.storage.s3.http_wire import Pool, WireError
 
 WAIT_S = 10.0  # upper bound on any wait for the server; only reached when something is wrong
 
@@ -408,7 +408,7 @@ def test_an_http_proxy_gets_absolute_targets_and_its_credentials() -> None:
 
 
 def test_https_through_an_http_proxy_is_a_tunnel_with_every_check(certificate: tuple[Path, Path]) -> None:
-    from lingctl.core.storage.http_wire import AnswerTooLarge, ConnectError
+    from lingctl.core.storage.s3.http_wire import AnswerTooLarge, ConnectError
     from tests.support.hostile_http import HostileServer, proxy
 
     cert, key = certificate
@@ -439,7 +439,7 @@ def test_https_through_an_http_proxy_is_a_tunnel_with_every_check(certificate: t
 
 
 def test_an_https_proxy_goes_through_urllib3_with_the_same_body_limits(certificate: tuple[Path, Path]) -> None:
-    from lingctl.core.storage.http_wire import AnswerTooLarge, ConnectError, ProxiedPool, certificate_failure
+    from lingctl.core.storage.s3.http_wire import AnswerTooLarge, ConnectError, ProxiedPool, certificate_failure
     from tests.support.hostile_http import FakeObject, FakeS3, HostileServer, chunked_forever, proxy
 
     cert, key = certificate

@@ -13,8 +13,8 @@ from lingctl.core.errors import AccessDeniedError, NotFoundError, RetryableError
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
 from lingctl.core.storage.retry import is_throttle
-from lingctl.core.storage.s3_client import S3Options, make_client, translate
-from lingctl.core.storage.signed_http import (
+from lingctl.core.storage.s3.client import S3Options, make_client, translate
+from lingctl.core.storage.s3.signed_http import (
     S3ConnectionError,
     S3HTTPError,
     SignedS3Client,

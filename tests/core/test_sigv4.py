@@ -7,7 +7,7 @@ import datetime as dt
 
 import pytest
 
-from lingctl.core.storage.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Credentials, CredentialSource, Signer
+from lingctl.core.storage.s3.sigv4 import EMPTY_SHA256, UNSIGNED_PAYLOAD, Credentials, CredentialSource, Signer
 
 NOW = dt.datetime(2026, 12, 3, 10, 30, 5, tzinfo=dt.timezone.utc)
 CASES = [

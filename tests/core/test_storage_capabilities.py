@@ -17,8 +17,8 @@ from lingctl.core.errors import NotFoundError, RetryableError
 from lingctl.core.storage import ObjectStore, S3Options, SourceChangedError, UploadGoneError, open_store
 from lingctl.core.storage.metadata import object_metadata, parse_reply, rclone_time
 from lingctl.core.storage.retry import THROTTLE_CODES, Aimd
-from lingctl.core.storage.s3 import make_client
-from lingctl.core.storage.s3_client import translate
+from lingctl.core.storage.s3.client import translate
+from lingctl.core.storage.s3.store import make_client
 from tests.support.fault_proxy import FaultProxy, FaultRequest, first_n
 
 MiB = 1 << 20

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from lingctl.core.errors import UsageError, VerificationError
-from lingctl.flood.batch_output import BatchOutput, default_paths, manifest_path
-from lingctl.flood.requests import DUPLICATE_CUSTOM_ID
+from lingctl.flood.batch.output import BatchOutput, default_paths, manifest_path
+from lingctl.flood.batch.requests import DUPLICATE_CUSTOM_ID
 
 MANIFEST = {"model_sha": "abc123", "batch_sha": "f00d", "max_batch": 64, "created": "2025-01-01T00:00:00Z"}
 BODY = {"object": "text_completion", "choices": [{"index": 0, "text": "héllo", "finish_reason": "stop"}]}

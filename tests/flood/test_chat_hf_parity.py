@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from lingctl.flood.chat_template import RenderError, TemplateLimits, TemplateRenderer
-from lingctl.flood.model_dir import ModelDir
+from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer
+from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.checkpoint import load_config
 from tests.conftest import run_lingctl
 

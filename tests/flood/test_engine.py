@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest
-from lingctl.flood.forward import MIN_ROWS
-from lingctl.flood.model_dir import ModelDir
-from lingctl.flood.sampling import SamplingParams, request_generator, sample
+from lingctl.flood.engine.forward import MIN_ROWS
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.sampling import SamplingParams, request_generator, sample
+from lingctl.flood.weights.model_dir import ModelDir
 from tests.flood.conftest import FIXTURES, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

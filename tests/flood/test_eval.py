@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lingctl.core.errors import Interrupted, UsageError
-from lingctl.flood.eval_run import EvalOptions, run_eval
-from lingctl.flood.eval_tasks import extract_answer, read_tasks
-from lingctl.flood.options import EngineOptions
+from lingctl.flood.engine.options import EngineOptions
+from lingctl.flood.eval.run import EvalOptions, run_eval
+from lingctl.flood.eval.tasks import extract_answer, read_tasks
 from lingctl.model.checkpoint import load_checkpoint
 from lingctl.model.tokenizer import load_tokenizer
 

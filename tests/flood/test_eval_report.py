@@ -10,7 +10,7 @@ import pytest
 
 from lingctl.core.atomic import TMP_MARKER
 from lingctl.core.errors import UsageError
-from lingctl.flood.eval_report import (
+from lingctl.flood.eval.report import (
     TABLE_COLUMNS,
     CheckpointScores,
     TaskScore,

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from lingctl.core.errors import LingctlError
-from lingctl.flood.experts import stack_of
-from lingctl.flood.loader import load_streaming
-from lingctl.flood.model_dir import ModelDir
-from lingctl.flood.quantize import Int8Linear, quantize_model_
-from lingctl.flood.run import FloodOptions, run_batch
+from lingctl.flood.batch.run import FloodOptions, run_batch
+from lingctl.flood.engine.experts import stack_of
+from lingctl.flood.weights.loader import load_streaming
+from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.flood.weights.quantize import Int8Linear, quantize_model_
 from lingctl.model.checkpoint import load_config, model_state, save_checkpoint, weight_files
 from lingctl.model.checkpoint_files import WEIGHTS_INDEX
 from lingctl.model.config import LingConfig
@@ -364,7 +364,7 @@ def _original_int8(w_OI: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rows_keeps_the_original_bits(src, dtype) -> None:
-    from lingctl.flood.quantize import quantize_rows
+    from lingctl.flood.weights.quantize import quantize_rows
 
     w = torch.randn(37, 300, generator=torch.Generator().manual_seed(3)) * 0.05
     w[3] = 0.0  # all-zero row: scale 1, q 0

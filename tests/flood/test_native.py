@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from lingctl.cli import run as cli_run
-from lingctl.flood import native
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest
-from lingctl.flood.sampling import SamplingParams
+from lingctl.flood.engine import native
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.sampling import SamplingParams
 from tests.flood.conftest import tiny_model
 
 
@@ -135,7 +135,7 @@ def test_the_build_is_cached_in_a_private_directory(kernels, tmp_path, monkeypat
 
 
 def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
-    """What lets the thread count follow the machine's load during a run (flood/threads.py)."""
+    """What lets the thread count follow the machine's load during a run (flood/engine/threads.py)."""
     seen: dict[int, list[torch.Tensor]] = {}
 
     class Recording(Engine):

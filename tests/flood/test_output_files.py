@@ -23,12 +23,12 @@ import pytest
 from lingctl.cli import run as cli_run
 from lingctl.core.atomic import tmp_prefix
 from lingctl.core.errors import UsageError, VerificationError
-from lingctl.flood.batch_output import BatchOutput, manifest_path
-from lingctl.flood.eval_output import ResultsFile, journal_path
-from lingctl.flood.eval_run import EvalOptions, run_eval
-from lingctl.flood.eval_tasks import EvalItem, Task
-from lingctl.flood.options import EngineOptions
-from lingctl.flood.run import FloodOptions, run_batch
+from lingctl.flood.batch.output import BatchOutput, manifest_path
+from lingctl.flood.batch.run import FloodOptions, run_batch
+from lingctl.flood.engine.options import EngineOptions
+from lingctl.flood.eval.output import ResultsFile, journal_path
+from lingctl.flood.eval.run import EvalOptions, run_eval
+from lingctl.flood.eval.tasks import EvalItem, Task
 from tests.flood.test_eval import mc_rows, write_jsonl
 
 # A file only its owner may read, with known bytes and no newline at the end: the last line looks torn.

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from lingctl.flood import packed
-from lingctl.flood.experts import StackedExperts, stack_of
-from lingctl.flood.forward import StageModel
-from lingctl.flood.packed import PackedLinear
-from lingctl.flood.quantize import Int8Linear
-from lingctl.flood.segment_cache import KVPool
+from lingctl.flood.engine import packed
+from lingctl.flood.engine.experts import StackedExperts, stack_of
+from lingctl.flood.engine.forward import StageModel
+from lingctl.flood.engine.packed import PackedLinear
+from lingctl.flood.engine.segment_cache import KVPool
+from lingctl.flood.weights.quantize import Int8Linear
 from lingctl.model.moe import SparseMoeBlock
 from tests.flood.conftest import tiny_model
 
@@ -123,7 +123,7 @@ def test_input_major_experts_give_the_bits_of_the_loop_for_groups_of_four_or_mor
 
 
 def test_fused_mlp_matches_the_module():
-    from lingctl.flood.forward import FusedMLP
+    from lingctl.flood.engine.forward import FusedMLP
     from lingctl.model.layers import MLP
 
     mlp = MLP(64, 96)

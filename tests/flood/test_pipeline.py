@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from lingctl.core.errors import LingctlError
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest
-from lingctl.flood.forward import StepBatch
-from lingctl.flood.model_dir import ModelDir
-from lingctl.flood.pipeline import PipelineRunner, split_layers
-from lingctl.flood.sampling import SamplingParams
+from lingctl.flood.engine.forward import StepBatch
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.pipeline import PipelineRunner, split_layers
+from lingctl.flood.engine.sampling import SamplingParams
+from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.checkpoint import save_checkpoint
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
@@ -130,7 +130,7 @@ def stage_pids(before: set[int]) -> dict[int, int]:
     out = {}
     for pid in children() - before:
         cmd = psutil.Process(pid).cmdline()
-        if "lingctl.flood.pipeline" in cmd:
+        if "lingctl.flood.engine.pipeline" in cmd:
             out[int(psutil.Process(pid).environ()["RANK"])] = pid
     return out
 
@@ -200,7 +200,7 @@ def test_dead_stage_raises_instead_of_hanging(ckpt: Path) -> None:
 def test_stages_exit_when_the_scheduler_dies(ckpt: Path) -> None:
     script = (
         "import os, sys, psutil, torch; from pathlib import Path; "
-        "from lingctl.flood.pipeline import PipelineRunner; "
+        "from lingctl.flood.engine.pipeline import PipelineRunner; "
         "r = PipelineRunner(Path(sys.argv[1]), stages=2, dtype=torch.float32, quantize=None, "
         "kv_cache_tokens=64); print(*[c.pid for c in psutil.Process().children()], flush=True); "
         "os.kill(os.getpid(), 9)"

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingctl.flood.quantize import Int8Linear, dense_weight_bytes, int8_weight_bytes, model_bytes, quantize_model_
+from lingctl.flood.weights.quantize import (
+    Int8Linear,
+    dense_weight_bytes,
+    int8_weight_bytes,
+    model_bytes,
+    quantize_model_,
+)
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import Router, grouped_mm_available

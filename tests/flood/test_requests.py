@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from lingctl.core.errors import LingctlError, NotFoundError
-from lingctl.flood.requests import (
+from lingctl.flood.batch.requests import (
     CHAT,
     COMPLETIONS,
     DUPLICATE_CUSTOM_ID,
@@ -18,7 +18,7 @@ from lingctl.flood.requests import (
     parse_line,
     read_batch,
 )
-from lingctl.flood.sampling import SamplingParams
+from lingctl.flood.engine.sampling import SamplingParams
 
 
 def _parse(obj: Any, line: int = 1) -> Request | RequestError:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
-from lingctl.flood.chat_template import TemplateLimits
-from lingctl.flood.run import FloodOptions, run_batch
+from lingctl.flood.batch.run import FloodOptions, run_batch
+from lingctl.flood.text.chat_template import TemplateLimits
 from tests.flood.conftest import CHAT_TEMPLATE
 
 LIMITS = TemplateLimits(timeout_s=0.5, grace_s=1.0)

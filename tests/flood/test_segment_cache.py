@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lingctl.flood.segment_cache import Growth, KVPool, Segment, SegmentAllocator, SequenceKV, grow
+from lingctl.flood.engine.segment_cache import Growth, KVPool, Segment, SegmentAllocator, SequenceKV, grow
 
 
 def carve(capacity: int, sizes: list[int], keep: list[bool]) -> tuple[SegmentAllocator, list[Segment]]:

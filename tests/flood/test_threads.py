@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingctl.core import cpu_load
-from lingctl.core.cpu_load import CpuBudget, CpuLoad, LoadMeter, measure, read_budget
 from lingctl.core.errors import UsageError
-from lingctl.flood.engine import Engine, EngineConfig, GenRequest
-from lingctl.flood.run import FloodOptions, run_batch
-from lingctl.flood.sampling import SamplingParams
-from lingctl.flood.threads import (
+from lingctl.flood.batch.run import FloodOptions, run_batch
+from lingctl.flood.engine import cpu_load
+from lingctl.flood.engine.cpu_load import CpuBudget, CpuLoad, LoadMeter, measure, read_budget
+from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.sampling import SamplingParams
+from lingctl.flood.engine.threads import (
     THREAD_INVARIANT_DTYPES,
     ThreadPolicy,
     ThreadPolicyConfig,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from huggingface_hub.utils import filter_repo_objects
 
-from lingctl.core import hub
 from lingctl.model import checkpoint_files as files
+from lingctl.model import hub
 
 # What a Hub download must bring for flood and --init-from to read the directory.
 MODEL_DIR_FILES = (

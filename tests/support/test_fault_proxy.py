@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConn
 
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.storage import S3Options
-from lingctl.core.storage.s3 import make_client
+from lingctl.core.storage.s3.store import make_client
 from tests.support.fault_proxy import FaultProxy, FaultRequest, every_nth, every_nth_once, first_n, fraction
 
 MiB = 1 << 20

@@ -11,10 +11,9 @@ import torch
 from lingctl.core.errors import UsageError
 from lingctl.model.moe import grouped_mm_available
 from lingctl.model.presets import preset
-from lingctl.train.align import AlignOptions, record, run_align
-from lingctl.train.align_file import load_trace, save_trace
-from lingctl.train.align_setup import AlignJob, parse_setup
-from lingctl.train.align_trace import (
+from lingctl.train.align.compare import AlignOptions, record, run_align
+from lingctl.train.align.setup import AlignJob, parse_setup
+from lingctl.train.align.trace import (
     FORCED,
     TOLERANCE,
     AlignReport,
@@ -24,6 +23,7 @@ from lingctl.train.align_trace import (
     compare_tensors,
     route_flips,
 )
+from lingctl.train.align.trace_file import load_trace, save_trace
 
 GATE = "model.layers.1.mlp.gate"  # tiny: layer 0 is dense, layer 1 is the MoE layer
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lingctl.train.config import DataConfig, TrainConfig
-from lingctl.train.incidents import read as read_incidents
 from lingctl.train.rundir import RunDir
 from lingctl.train.schedule import learning_rate
 from lingctl.train.spike import SpikeConfig
+from lingctl.train.supervise.incidents import read as read_incidents
 from lingctl.train.trainer import Trainer, TrainingDiverged
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from lingctl.core.storage.base import MultipartUploads, ObjectInfo, ObjectStore, Version
 from lingctl.core.storage.local import LocalStore
 from lingctl.core.storage.retry import Aimd, RestartError, SourceChangedError, UploadGoneError
-from lingctl.core.storage.s3 import S3Store
-from lingctl.core.storage.s3_client import S3Options
+from lingctl.core.storage.s3.client import S3Options
+from lingctl.core.storage.s3.store import S3Store
 from lingctl.core.storage.url import StoreURL, check_key, parse_url
 
 

@@ -1,0 +1,253 @@
+/* Float32 CPU kernels for flood's decode-heavy steps: routed experts and attention over the segment KV cache.
+
+   Both replace many small library calls per layer (one matrix product per expert, one attention call per
+   request) with one call that walks the work itself. Every output row is computed from its own inputs
+   alone, with a fixed order of additions, so a row's bits never depend on which other rows share the call
+   or how many there are: batch invariance by construction, at any row count (no padding needed).
+
+   Built by lingctl/flood/engine/native.py with the system C compiler; all pointers are to contiguous float32 or
+   int64 arrays whose sizes the caller checked. */
+
+#include <math.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+#define MB 8  /* rows per register block */
+#define NB 32 /* columns per register block: 8 x 32 float accumulators fit the 32 vector registers */
+
+/* The same product for a few rows (M <= MB, a decode step's share of one expert): sweeps each weight row
+   from start to end, which streams a weight that is not in cache best. Every output is the same chain of
+   fused multiply-adds over k as in small_gemm below, so both give the same bits for a row. */
+#define NCHUNK 256
+static void few_rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
+    float acc[MB][NCHUNK];
+    for (int64_t n0 = 0; n0 < N; n0 += NCHUNK) {
+        int64_t nb = N - n0 < NCHUNK ? N - n0 : NCHUNK;
+        for (int64_t m = 0; m < M; m++)
+            memset(acc[m], 0, sizeof(float) * (size_t)nb);
+        for (int64_t k = 0; k < K; k++) {
+            const float *wr = w + k * N + n0;
+            for (int64_t m = 0; m < M; m++) {
+                float av = in[m * K + k];
+                float *ac = acc[m];
+                for (int64_t n = 0; n < nb; n++) ac[n] += av * wr[n];
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            memcpy(out + m * N + n0, acc[m], sizeof(float) * (size_t)nb);
+    }
+}
+
+/* out[m, :N] = in[m, :K] @ w[:K, :N] for m < M (w row-major, "input-major"); in has at least
+   ceil(M / MB) * MB rows (the caller zero-pads), out as many. Each output is summed over k in order. */
+static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
+    int64_t n_main = N - N % NB;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const float *a = in + m0 * K;
+        for (int64_t n0 = 0; n0 < n_main; n0 += NB) {
+            float acc[MB][NB];
+            for (int m = 0; m < MB; m++)
+                for (int n = 0; n < NB; n++) acc[m][n] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const float *wr = w + k * N + n0;
+                for (int m = 0; m < MB; m++) {
+                    float av = a[m * K + k];
+                    for (int n = 0; n < NB; n++) acc[m][n] += av * wr[n];
+                }
+            }
+            for (int m = 0; m < MB; m++)
+                memcpy(out + (m0 + m) * N + n0, acc[m], sizeof(float) * NB);
+        }
+        for (int64_t n = n_main; n < N; n++) { /* columns past the last full block */
+            for (int m = 0; m < MB; m++) {
+                float s = 0.0f;
+                for (int64_t k = 0; k < K; k++) s += a[m * K + k] * w[k * N + n];
+                out[(m0 + m) * N + n] = s;
+            }
+        }
+    }
+}
+
+/* Routed experts of one layer, the experts [e0, e1) of it (callers split the experts between threads).
+   x [T, D]; idx [T, Kt] expert ids (checked by the caller); gate_up [E, D, 2I]; down [E, I, D];
+   outs [T*Kt, D]: row n is written with the output of routed slot n when its expert is in [e0, e1).
+   scratch: at least (N + MB) * (D + 3I) floats and N int64s (slot) after them, N = T*Kt. */
+void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
+                       const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                       float *scratch, int64_t *slot) {
+    int64_t N = T * Kt;
+    /* per thread: rows [N + MB, D] (one expert's gathered inputs, zero-padded), h [N + MB, 2I], act [N + MB, I] */
+    int64_t span = e1 - e0;
+    if (span <= 0) return;
+    int64_t *count = (int64_t *)calloc((size_t)span + 1, sizeof(int64_t));
+    int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)span);
+    if (!count || !pos) { free(count); free(pos); return; }
+    for (int64_t n = 0; n < N; n++)
+        if (idx[n] >= e0 && idx[n] < e1) count[idx[n] - e0 + 1]++;
+    for (int64_t e = 0; e < span; e++) count[e + 1] += count[e];
+    memcpy(pos, count, sizeof(int64_t) * (size_t)span);
+    for (int64_t n = 0; n < N; n++)
+        if (idx[n] >= e0 && idx[n] < e1) slot[pos[idx[n] - e0]++] = n;
+    free(pos);
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+    float *rows = scratch, *h, *act;
+    float *own = NULL;
+#ifdef _OPENMP
+    if (omp_get_thread_num() > 0) { /* thread 0 uses the caller's scratch, the others their own */
+        own = (float *)malloc(sizeof(float) * (size_t)((N + MB) * (D + 3 * I)));
+        rows = own;
+    }
+#endif
+    h = rows + (N + MB) * D;
+    act = h + (N + MB) * 2 * I;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t e = 0; e < span; e++) {
+        int64_t a = count[e], b = count[e + 1], m = b - a;
+        if (!m || !rows) continue;
+        const float *gu = gate_up + (e0 + e) * D * 2 * I, *dn = down + (e0 + e) * I * D;
+        int64_t mp = (m + MB - 1) / MB * MB; /* zero rows up to a whole register block */
+        for (int64_t r = 0; r < m; r++)
+            memcpy(rows + r * D, x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
+        memset(rows + m * D, 0, sizeof(float) * (size_t)((mp - m) * D));
+        if (m <= MB)
+            few_rows_gemm(rows, m, D, gu, 2 * I, h);
+        else
+            small_gemm(rows, m, D, gu, 2 * I, h);
+        for (int64_t r = 0; r < mp; r++) {
+            const float *g = h + r * 2 * I, *u = g + I;
+            float *o = act + r * I;
+            for (int64_t i = 0; i < I; i++)
+                o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        if (m <= MB)
+            few_rows_gemm(act, m, I, dn, D, rows);
+        else
+            small_gemm(act, m, I, dn, D, rows);
+        for (int64_t r = 0; r < m; r++)
+            memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
+    }
+    free(own);
+    }
+    free(count);
+}
+
+/* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1). */
+void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t D, const float *outs, float *y,
+                       int64_t t0, int64_t t1) {
+    int64_t kn = Kt < 64 ? Kt : 64;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t ks[64];
+        float *yt = y + t * D;
+        memset(yt, 0, sizeof(float) * (size_t)D);
+        for (int64_t k = 0; k < kn; k++) ks[k] = k;
+        for (int64_t k = 1; k < kn; k++) { /* insertion sort of the token's slots by expert id */
+            int64_t v = ks[k], j = k;
+            while (j > 0 && idx[t * Kt + ks[j - 1]] > idx[t * Kt + v]) { ks[j] = ks[j - 1]; j--; }
+            ks[j] = v;
+        }
+        for (int64_t k = 0; k < kn; k++) {
+            int64_t n = t * Kt + ks[k];
+            float w = wt[n];
+            const float *o = outs + n * D;
+            for (int64_t d = 0; d < D; d++) yt[d] += w * o[d];
+        }
+    }
+}
+
+/* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
+   then summed pairwise, then the tail. */
+#define LANES 16
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
+    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise, always the same pairs */
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    float s = part[0];
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* Attention of query rows over the KV pool, one unit (a run of queries of one request) at a time.
+   q [T, H, Dh]; kpool, vpool [capacity, Kh, Dh]; units [U, 4] = (q_start, q_len, key_offset, key_len):
+   the unit's keys are slots keys[key_offset : key_offset + key_len] in position order, and its query i
+   (0-based) sees the first key_len - q_len + i + 1 of them (causal, bottom-right aligned).
+   out [T, H, Dh] (rows of units written). scores0: at least max_keys floats (the first thread's; the others
+   allocate their own). */
+void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
+                     const int64_t *units, int64_t U, const int64_t *keys, float scale, float *out,
+                     float *scores0, int64_t max_keys) {
+    int64_t group = H / Kh;
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+    float *scores = scores0;
+#ifdef _OPENMP
+    float *own = NULL;
+    if (omp_get_thread_num() > 0) scores = own = (float *)malloc(sizeof(float) * (size_t)(max_keys > 0 ? max_keys : 1));
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t u = 0; u < U; u++) {
+        if (!scores) continue;
+        int64_t q_start = units[4 * u], q_len = units[4 * u + 1];
+        const int64_t *ks = keys + units[4 * u + 2];
+        int64_t key_len = units[4 * u + 3];
+        for (int64_t i = 0; i < q_len; i++) {
+            int64_t seen = key_len - q_len + i + 1;
+            for (int64_t hh = 0; hh < H; hh++) {
+                const float *qh = q + ((q_start + i) * H + hh) * Dh;
+                int64_t kh = hh / group;
+                float mx = -INFINITY;
+                for (int64_t j = 0; j < seen; j++) {
+                    const float *kv = kpool + (ks[j] * Kh + kh) * Dh;
+                    float s = dot(qh, kv, Dh) * scale;
+                    scores[j] = s;
+                    if (s > mx) mx = s;
+                }
+                float sum = 0.0f;
+                for (int64_t j = 0; j < seen; j++) {
+                    float p = expf(scores[j] - mx);
+                    scores[j] = p;
+                    sum += p;
+                }
+                float *o = out + ((q_start + i) * H + hh) * Dh;
+                memset(o, 0, sizeof(float) * (size_t)Dh);
+                for (int64_t j = 0; j < seen; j++) {
+                    const float *vv = vpool + (ks[j] * Kh + kh) * Dh;
+                    float p = scores[j];
+                    for (int64_t d = 0; d < Dh; d++) o[d] += p * vv[d];
+                }
+                float inv = 1.0f / sum;
+                for (int64_t d = 0; d < Dh; d++) o[d] *= inv;
+            }
+        }
+    }
+#ifdef _OPENMP
+    free(own);
+#endif
+    }
+}
+
+/* 1 when built with OpenMP: the calls then spread over torch's own OpenMP threads (same runtime, same
+   thread count), and the caller does not split the work itself. */
+int flood_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

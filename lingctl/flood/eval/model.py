@@ -1,0 +1,347 @@
+"""Scoring one model on evaluation tasks with flood's engine.
+
+A multiple-choice item becomes one engine request per choice: the prompt is the context's tokens and the
+choice's tokens are *forced* (appended one by one, each one's log-probability recorded), so every choice of an
+item starts from the same prompt and the engine's prefix sharing computes that context once. Tokenisation
+follows lm-evaluation-harness (``_encode_pair``): whitespace that ends the context moves to the start of the
+continuation, ``context + choice`` is encoded whole, the context alone, and the choice's tokens are the whole
+encoding past the context's length. An empty context is scored after the EOS token, as lm-evaluation-harness
+does.
+
+A generation item is one greedy request with its stop strings.
+
+Results do not depend on how requests are batched (flood's batch invariance, see forward.py): the numbers of
+an evaluation are the same bits at any ``--max-batch-tokens``, with or without prefix sharing, in any order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lingctl.core.errors import Interrupted, UsageError
+from lingctl.flood.engine.loop import Engine, EngineConfig, EngineStats, GenRequest, LocalRunner, error_text
+from lingctl.flood.engine.options import EngineOptions
+from lingctl.flood.engine.plan import MemoryPlan, check_weights_fit, plan_memory
+from lingctl.flood.engine.prefix import plan_prefixes
+from lingctl.flood.engine.sampling import SamplingParams
+from lingctl.flood.engine.segment_cache import KVPool
+from lingctl.flood.engine.threads import ThreadPolicy
+from lingctl.flood.eval.report import TaskScore, mean_stderr
+from lingctl.flood.eval.tasks import CHOICE, EvalItem, Task, extract_answer
+from lingctl.flood.text.tokens import TextCodec
+from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.model.checkpoint import parse_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelRun:
+    """What evaluating one model took."""
+
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # read from a shared prefix instead of computed
+    scored_tokens: int = 0  # forced choice tokens and generated tokens
+    tokens_per_s: float = 0.0  # (prompt + scored tokens) / seconds
+    truncated_items: int = 0  # contexts cut on the left to fit the model's context
+    threads: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Pending:
+    item: EvalItem
+    left: int  # requests of this item not finished yet
+    scores: list[float | None]
+    tokens: list[int]
+    greedy: list[bool]
+    text: str = ""
+    finish_reason: str = ""
+    error: str | None = None
+    truncated: bool = False
+
+
+def open_model(spec: Path, dtype: str, quantize: str | None = None) -> tuple[ModelDir, TextCodec]:
+    md = ModelDir.open(spec)
+    check_weights_fit(md.config, dtype=parse_dtype(dtype), quantize=quantize)
+    md.check_weights()
+    codec = TextCodec.for_model(md.path, chat_template=None, special_tokens=md.special_tokens())
+    if codec.tokenizer is None:
+        raise UsageError(
+            f"{md.path} has no tokenizer.json, and evaluation tasks are text",
+            hint="evaluate a checkpoint that carries its tokenizer",
+        )
+    return md, codec
+
+
+class ModelEvaluation:
+    """Evaluate one model: ``records()`` yields each item's record as it finishes; ``run`` says what it took."""
+
+    def __init__(
+        self,
+        md: ModelDir,
+        codec: TextCodec,
+        tasks: list[Task],
+        *,
+        num_fewshot: int,
+        engine: EngineOptions,
+        skip: set[tuple[str, str]] | None = None,
+    ) -> None:
+        self.md, self.codec, self.tasks = md, codec, tasks
+        self.num_fewshot = num_fewshot
+        self.opts = engine
+        self.run = ModelRun()
+        self._requests: list[GenRequest] = []
+        self._pending: dict[int, _Pending] = {}
+        self._contexts: dict[str, list[int]] = {}
+        self._prepare(skip or set())
+        self._contexts.clear()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        assert self.codec.tokenizer is not None
+        return list(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _prepare(self, skip: set[tuple[str, str]]) -> None:
+        ctx_limit = self.md.config.max_position_embeddings
+        eos = self.md.config.eos_token_id
+        for task in self.tasks:
+            for item in task.items:
+                if (task.name, item.id) in skip:
+                    continue
+                key = len(self._pending)
+                before = task.text_before(item, self.num_fewshot)
+                if item.kind == CHOICE:
+                    pending = _Pending(item, len(item.choices), [None] * len(item.choices), [], [])
+                    for c, choice in enumerate(item.choices):
+                        ctx, cont = self._encode_pair(before + item.context, choice, eos)
+                        # lm-evaluation-harness keeps the last max_length tokens of context + continuation.
+                        keep = ctx_limit + 1 - len(cont)
+                        if 1 <= keep < len(ctx):
+                            ctx, pending.truncated = ctx[-keep:], True
+                        pending.tokens.append(len(cont))
+                        pending.greedy.append(False)
+                        self._requests.append(
+                            GenRequest(
+                                key=(key, c),
+                                prompt_ids=ctx,
+                                sampling=SamplingParams(max_tokens=len(cont), temperature=0.0),
+                                forced_ids=cont,
+                            )
+                        )
+                else:
+                    pending = _Pending(item, 1, [], [], [])
+                    ids = self._encode(before + item.prompt)
+                    keep = ctx_limit - item.max_tokens
+                    if 1 <= keep < len(ids):
+                        ids, pending.truncated = ids[-keep:], True
+                    self._requests.append(
+                        GenRequest(
+                            key=(key, 0),
+                            prompt_ids=ids,
+                            sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0, stop=item.stop),
+                        )
+                    )
+                self._pending[key] = pending
+                self.run.truncated_items += pending.truncated
+
+    def _encode_pair(self, context: str, continuation: str, eos: int) -> tuple[list[int], list[int]]:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return [eos], self._encode(continuation)
+        whole = self._encode(context + continuation)
+        ctx = self._contexts.get(context)
+        if ctx is None:  # an item's choices share their context (few-shot block included): encode it once
+            ctx = self._contexts[context] = self._encode(context)
+        return ctx, whole[len(ctx) :]
+
+    @property
+    def items(self) -> int:
+        return len(self._pending)
+
+    # -- running ----------------------------------------------------------------------------------------
+    def _plan(self, dtype: torch.dtype) -> MemoryPlan:
+        reqs = self._requests
+        sizes = [len(r.prompt_ids) + (r.sampling.max_tokens or 0) for r in reqs]
+        saved = (
+            plan_prefixes([r.prompt_ids for r in reqs], self.opts.chunk).tokens_saved if self.opts.prefix_sharing else 0
+        )
+        return plan_memory(
+            self.md.config,
+            dtype=dtype,
+            quantize=self.opts.quantize,
+            kv_cache_tokens=self.opts.kv_cache_tokens,
+            max_batch_tokens=min(self.opts.max_batch_tokens, sum(len(r.prompt_ids) for r in reqs) + len(reqs)),
+            max_seqs=min(self.opts.max_seqs, max(1, len(reqs))),
+            batch_kv_tokens=max(1, sum(sizes) - saved),
+            largest_request_tokens=max(len(r.prompt_ids) + 1 for r in reqs),
+        )
+
+    def records(
+        self,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Load the model, run every request, and yield each item's record the moment its last request ends.
+        Stops (``Interrupted``) after a step when ``should_stop`` says so; the records yielded are final."""
+        if not self._requests:
+            return
+        dtype = parse_dtype(self.opts.dtype)
+        plan = self._plan(dtype)
+        previous_threads = torch.get_num_threads()
+        policy = ThreadPolicy.for_run(self.opts.threads, self.opts.dtype, self.opts.quantize)
+        policy.prepare()
+        started = time.monotonic()
+        try:
+            model, load = self.md.load_with_stats(dtype=dtype, quantize=self.opts.quantize)
+            self.run.load_seconds = load.seconds
+            c = self.md.config
+            runner = LocalRunner(
+                model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads, c.head_dim, dtype)
+            )
+            engine = Engine(
+                EngineConfig(
+                    kv_cache_tokens=plan.kv_tokens,
+                    max_batch_tokens=self.opts.max_batch_tokens,
+                    max_seqs=self.opts.max_seqs,
+                    chunk=self.opts.chunk,
+                    prefix_sharing=self.opts.prefix_sharing,
+                ),
+                model_config=c,
+                runner=runner,
+                eos_ids=self.md.eos_ids(),
+                stop_check=self.codec.stop_check,
+            )
+            policy.start()
+            compute_started = time.monotonic()
+
+            def step(stats: EngineStats) -> None:
+                policy.between_steps()  # between steps: results never see a count change mid-step
+                if on_step is not None:
+                    on_step(stats)
+                if should_stop is not None and should_stop():
+                    raise _Stop
+
+            try:
+                for res in engine.generate(self._requests, on_step=step):
+                    record = self._finished(res)
+                    if record is not None:
+                        yield record
+            except _Stop:
+                raise Interrupted(
+                    "interrupted; the items finished so far are kept",
+                    hint="run the same command again to continue",
+                ) from None
+            finally:
+                engine.close()
+                s = engine.stats
+                self.run.seconds = time.monotonic() - compute_started
+                self.run.requests = s.requests
+                self.run.scored_tokens = s.generated_tokens
+                work = self.run.prompt_tokens - self.run.cached_prompt_tokens + s.generated_tokens
+                self.run.tokens_per_s = round(work / self.run.seconds, 1) if self.run.seconds > 0 else 0.0
+        finally:
+            torch.set_num_threads(previous_threads)
+            if policy.report is not None:
+                import dataclasses
+
+                self.run.threads = dataclasses.asdict(policy.report)
+            log.debug("evaluated %d items in %.1f s", len(self._pending), time.monotonic() - started)
+
+    def _finished(self, res: Any) -> dict[str, Any] | None:
+        key, choice = res.key
+        p = self._pending[key]
+        p.left -= 1
+        self.run.prompt_tokens += res.prompt_tokens
+        self.run.cached_prompt_tokens += res.cached_tokens
+        if res.error is not None:
+            p.error = p.error or res.error
+        elif p.item.kind == CHOICE:
+            p.scores[choice] = math.fsum(res.logprobs or [])
+            p.greedy[choice] = bool(res.greedy)
+        else:
+            p.text = res.stop_text if res.stop_text is not None else self.codec.decode(res.token_ids)
+            p.finish_reason = res.finish_reason
+            p.tokens = [len(res.token_ids)]
+        if p.left > 0:
+            return None
+        del self._pending[key]
+        return item_record(p)
+
+
+class _Stop(Exception):
+    """Raised from the step callback to leave the engine loop after a whole step."""
+
+
+def item_record(p: _Pending) -> dict[str, Any]:
+    item = p.item
+    base: dict[str, Any] = {"task": item.task, "id": item.id, "kind": item.kind}
+    if p.error is not None:
+        # An item that could not run counts as wrong: leaving it out would flatter the score.
+        return {**base, "pred": None, "answer": item.answer, "correct": False, "error": p.error}
+    if item.kind == CHOICE:
+        scores = [float(s) for s in p.scores if s is not None]
+        norm = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, item.choices, strict=True)]
+        pred, pred_norm = _argmax(scores), _argmax(norm)
+        return {
+            **base,
+            "pred": pred,
+            "pred_norm": pred_norm,
+            "answer": item.answer,
+            "correct": pred == item.answer,
+            "correct_norm": pred_norm == item.answer,
+            "scores": scores,
+            "scores_norm": norm,
+            "tokens": p.tokens,
+            "greedy": p.greedy,
+            **({"truncated": True} if p.truncated else {}),
+        }
+    pred_text = extract_answer(p.text, item.regex)
+    return {
+        **base,
+        "pred": pred_text,
+        "answer": item.answer,
+        "correct": pred_text == str(item.answer).strip(),
+        "text": p.text,
+        "finish_reason": p.finish_reason,
+        "tokens": p.tokens,
+        **({"truncated": True} if p.truncated else {}),
+    }
+
+
+def _argmax(values: list[float]) -> int:
+    """The first index of the largest value (numpy's argmax, as lm-evaluation-harness uses)."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def task_scores(tasks: list[Task], records: list[dict[str, Any]]) -> dict[str, TaskScore]:
+    """Accuracy per task (and per-byte accuracy for multiple choice), with standard errors."""
+    by_task: dict[str, list[dict[str, Any]]] = {t.name: [] for t in tasks}
+    for r in records:
+        if r["task"] in by_task:
+            by_task[r["task"]].append(r)
+    out: dict[str, TaskScore] = {}
+    for task in tasks:
+        rs = by_task[task.name]
+        acc, se = mean_stderr([1.0 if r["correct"] else 0.0 for r in rs])
+        score = TaskScore(task=task.name, kind=task.kind, items=len(rs), acc=acc, acc_stderr=se)
+        if task.kind == CHOICE:
+            score.acc_norm, score.acc_norm_stderr = mean_stderr([1.0 if r.get("correct_norm") else 0.0 for r in rs])
+        out[task.name] = score
+    return out
+
+
+__all__ = ["ModelEvaluation", "ModelRun", "open_model", "task_scores", "error_text"]

@@ -1,0 +1,392 @@
+"""Streaming weight loader: a checkpoint far larger than what memory holds twice, loaded in its final form.
+
+The model is built on the ``meta`` device (no memory), with ``Int8Linear`` modules in place of the eligible
+linears when quantizing; each tensor is then materialised as the files are read: every shard once, in file
+order, through two reused buffers (``StreamReader``), each piece converted straight into the tensor that will
+serve (a dtype cast, or int8 rows with their scales), and its pages dropped from the page cache. No full-model
+float copy exists at any time, and the checkpoint is never mapped: mapped pages of a 33.6 GB checkpoint on a
+machine whose anonymous memory is nearly full are evicted and read again.
+
+Routed experts are allocated per MoE layer as one ``ExpertStack`` (gate and up fused); each expert's
+parameters, or ``Int8Linear`` buffers, are views into it, so the stack costs nothing extra.
+
+The results are bit-identical to what mapping the files, casting, ``normalize_head_`` and ``quantize_model_``
+gave: the same cast kernels, the same row quantization (``quantize_rows``), and NormHead's column norms in
+float32 over the whole vocabulary, computed by column blocks (each column's reduction is the same sequence of
+additions whatever the block width, from two columns on; checked by the tests).
+
+Shape legend: V vocabulary, D hidden, E experts, I expert width, X = 2I (gate and up rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lingctl.core.errors import LingctlError
+from lingctl.flood.engine.experts import ExpertStack, attach_stack
+from lingctl.flood.weights.quantize import Int8Linear, eligible_linears, quantize_rows
+from lingctl.model.checkpoint import model_state
+from lingctl.model.config import LingConfig
+from lingctl.model.ling import NORM_HEAD_EPS, LingForCausalLM
+from lingctl.model.moe import SparseMoeBlock
+from lingctl.model.safetensors_io import StreamReader, TensorEntry, read_entries
+
+CHUNK_BYTES = 32 * 2**20  # per read buffer; two buffers, one being filled while the other is converted
+F32_BYTES = 2 * CHUNK_BYTES  # float32 rows of one piece being quantized (a piece of 16-bit rows doubles)
+NORM_COLUMNS = 64  # NormHead column block: [V, 64] float32 at a time
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadStats:
+    files: int
+    tensors: int
+    bytes_needed: int  # bytes of the tensors this model (or stage) uses
+    bytes_read: int  # bytes actually read from the files: equal to bytes_needed when each is read once
+    seconds: float
+
+
+def temp_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -> int:
+    """The loader's peak temporaries: while reading, or, after the last file, baking NormHead (a column
+    block, then row chunks in float32 and their rounded copy) and, when int8 keeps a float32 file's head
+    until it is baked, that head in float32."""
+    # two read buffers; quantizing: the float32 rows of a piece, their int8 copy and its transpose
+    reading = 2 * CHUNK_BYTES + (F32_BYTES + F32_BYTES // 2 if quantize else 0)
+    if not config.norm_head:
+        return reading
+    v, d = config.vocab_size, config.hidden_size
+    bake = v * min(d, NORM_COLUMNS) * 4 + 3 * F32_BYTES // 2
+    if quantize and not _lossless(_file_dtype(config), dtype):
+        bake += v * d * _file_dtype(config).itemsize
+    return max(reading, bake)
+
+
+def load_streaming(
+    directory: Path,
+    config: LingConfig,
+    files: dict[str, Path],
+    *,
+    dtype: torch.dtype,
+    quantize: str | None = None,
+    layers: tuple[int, int] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[LingForCausalLM, LoadStats]:
+    """The model of ``directory`` (``files``: tensor name -> shard), or with ``layers=(first, last)`` only what
+    that pipeline stage needs (the other layers stay on ``meta`` and cost nothing). Every header is checked
+    against the config before the first tensor byte is read."""
+    if quantize not in (None, "int8"):
+        raise LingctlError(f"unknown quantization {quantize!r}; supported: int8")
+    started = time.monotonic()
+    threads = torch.get_num_threads()
+    # The conversion is elementwise and memory-bound: one compute thread beside the reading thread keeps
+    # both cores busy, and on a busy machine a second compute thread made quantizing 5x slower (measured).
+    torch.set_num_threads(1)
+    try:
+        model, stats = _load(
+            directory, config, files, dtype=dtype, quantize=quantize, layers=layers, chunk_bytes=chunk_bytes
+        )
+    finally:
+        torch.set_num_threads(threads)
+    stats.seconds = time.monotonic() - started
+    return model, stats
+
+
+def _load(
+    directory: Path,
+    config: LingConfig,
+    files: dict[str, Path],
+    *,
+    dtype: torch.dtype,
+    quantize: str | None,
+    layers: tuple[int, int] | None,
+    chunk_bytes: int,
+) -> tuple[LingForCausalLM, LoadStats]:
+    n = config.num_hidden_layers
+    first, last = layers if layers is not None else (0, n)
+    with torch.device("meta"):
+        # a copy: baking NormHead switches norm_head off on the model's own config
+        model = LingForCausalLM(dataclasses.replace(config))
+    shapes = {k: tuple(v.shape) for k, v in model_state(model).items()}
+    if quantize == "int8":
+        _int8_on_meta(model, dtype)
+
+    def wanted(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return first <= int(name.split(".")[2]) < last
+        if name.startswith("model.word_embeddings."):
+            return first == 0 or (last == n and config.tie_word_embeddings)
+        return last == n  # model.norm, lm_head
+
+    names = [k for k in shapes if wanted(k)]
+    missing = [k for k in names if k not in files]
+    if missing:
+        raise LingctlError(
+            f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {', '.join(missing[:3])}"
+        )
+    entries = _entries(files, names, shapes)
+    head_name = "model.word_embeddings.weight" if config.tie_word_embeddings else "lm_head.weight"
+    bake = last == n and config.norm_head and head_name in entries
+    targets = _Targets(model, dtype, quantize)
+    for name in names:
+        hold = dtype
+        if bake and name == head_name and quantize and not _lossless(entries[name].dtype, dtype):
+            hold = entries[name].dtype  # normalised at the file's precision first, as quantizing always did
+        targets.add(name, entries[name], hold)
+
+    by_file: dict[Path, list[TensorEntry]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(entries[name])
+    bytes_read = 0
+    f32 = _Scratch()
+    for path in sorted(by_file):
+        reader = StreamReader(path, chunk_bytes)
+        for piece in reader.pieces(sorted(by_file[path], key=lambda e: e.begin)):
+            e = piece.entry
+            src = piece.data.view(e.dtype)
+            src = src.reshape((piece.rows, *e.shape[1:])) if e.shape else src.reshape(())
+            targets.write(e.name, piece.row, src, f32)
+        bytes_read += reader.bytes_read
+        del reader, piece, src  # its buffers go before the next file's are filled
+    f32.release()
+
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.word_embeddings.weight
+    if bake:
+        head = model.lm_head.weight
+        # int8 normalised the head while it still had the file's dtype; a plain load after the cast
+        round_dtype = entries[head_name].dtype if quantize else dtype
+        _bake_norm_head_(head.data, round_dtype)
+        if head.dtype != dtype:
+            model.lm_head.weight = nn.Parameter(head.data.to(dtype), requires_grad=False)
+            if config.tie_word_embeddings:
+                model.model.word_embeddings.weight = model.lm_head.weight
+        model.config.norm_head = False
+    model.eval()
+    release_free_memory()
+    stats = LoadStats(
+        files=len(by_file),
+        tensors=len(names),
+        bytes_needed=sum(e.nbytes for e in entries.values()),
+        bytes_read=bytes_read,
+        seconds=0.0,
+    )
+    return model, stats
+
+
+# -- building the targets --------------------------------------------------------------------------------
+
+
+def _int8_on_meta(model: LingForCausalLM, dtype: torch.dtype) -> None:
+    for name in eligible_linears(model, include_head=False):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        lin = getattr(parent, child)
+        setattr(
+            parent, child, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype, device="meta")
+        )
+
+
+def _entries(files: dict[str, Path], names: list[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorEntry]:
+    """Validated headers of every file involved, each name checked against the shape the config implies."""
+    found = {path: {e.name: e for e in read_entries(path)} for path in sorted({files[k] for k in names})}
+    out: dict[str, TensorEntry] = {}
+    for name in names:
+        e = found[files[name]].get(name)
+        if e is None:
+            raise LingctlError(f"{files[name]}: has no tensor {name} (the index says it does)")
+        if e.shape != shapes[name]:
+            raise LingctlError(f"{files[name]}: tensor {name} has shape {e.shape}, config.json implies {shapes[name]}")
+        if not e.dtype.is_floating_point:
+            raise LingctlError(f"{files[name]}: tensor {name} has dtype {e.dtype}; weights must be floating point")
+        out[name] = e
+    return out
+
+
+class _Scratch:
+    """One float32 buffer reused for every piece that is quantized."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def rows(self, rows: int, width: int) -> torch.Tensor:
+        need = rows * width
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = torch.empty(max(need, F32_BYTES // 4), dtype=torch.float32)
+        return self._buf[:need].view(rows, width)
+
+    def release(self) -> None:
+        self._buf = None
+
+
+@dataclass(slots=True)
+class _Cast:
+    dst: torch.Tensor  # final tensor (or a view into an expert stack), rows along dim 0
+
+
+@dataclass(slots=True)
+class _Quant:
+    q_OI: torch.Tensor
+    scale_O: torch.Tensor
+
+
+class _Targets:
+    """Where each checkpoint tensor goes, allocated in its final form and already installed in the model."""
+
+    def __init__(self, model: LingForCausalLM, dtype: torch.dtype, quantize: str | None) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.quantize = quantize
+        self.by_name: dict[str, _Cast | _Quant] = {}
+        self.stacks: dict[int, ExpertStack] = {}
+
+    def add(self, name: str, entry: TensorEntry, hold: torch.dtype) -> None:
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            self.by_name[name] = self._expert(int(m.group(1)), int(m.group(2)), m.group(3))
+            return
+        module_name, _, attr = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        if isinstance(module, Int8Linear) and attr == "weight":
+            q = torch.empty(entry.shape, dtype=torch.int8)
+            scale = torch.empty(entry.shape[0], dtype=self.dtype)
+            module.weight_q, module.scale = q, scale
+            self.by_name[name] = _Quant(q, scale)
+            return
+        if name == "lm_head.weight":
+            # Input-major ([D, V] storage, the [V, D] parameter a view of it): the engine reads the head
+            # row-major and would otherwise copy it into that layout, a second head for a moment.
+            t = torch.empty(tuple(reversed(entry.shape)), dtype=hold).t()
+        else:
+            t = torch.empty(entry.shape, dtype=hold)
+        if isinstance(module, Int8Linear):  # its bias is a buffer
+            setattr(module, attr, t)
+        else:
+            setattr(module, attr, nn.Parameter(t, requires_grad=False))
+        self.by_name[name] = _Cast(t)
+
+    def _expert(self, layer: int, index: int, proj: str) -> _Cast | _Quant:
+        stack = self.stacks.get(layer)
+        block = self.model.model.layers[layer].mlp
+        assert isinstance(block, SparseMoeBlock)
+        if stack is None:
+            stack = self._allocate(block)
+            self.stacks[layer] = stack
+            attach_stack(block, stack)
+        width = block.expert(0).down_proj.in_features
+        rows = {"gate": slice(0, width), "up": slice(width, 2 * width)}.get(proj)
+        w = stack.gate_up_EXD[index, rows] if rows is not None else stack.down_EDI[index]
+        s: torch.Tensor | None = None
+        if stack.quantized:
+            assert stack.gate_up_scale_EX is not None and stack.down_scale_ED is not None
+            s = stack.gate_up_scale_EX[index, rows] if rows is not None else stack.down_scale_ED[index]
+        module = getattr(block.experts[index], f"{proj}_proj")
+        if s is not None:
+            module.weight_q, module.scale = w, s
+            return _Quant(w, s)
+        module.weight = nn.Parameter(w, requires_grad=False)
+        return _Cast(w)
+
+    def _allocate(self, block: SparseMoeBlock) -> ExpertStack:
+        e = len(block.experts)
+        width = block.expert(0).down_proj.in_features
+        d = block.expert(0).down_proj.out_features
+        # Input-major storage ([E, D, 2I] and [E, I, D] contiguous), seen through transposed views with the
+        # stack's [E, 2I, D] / [E, D, I] shapes: the expert products read each weight row-major (x @ W), the
+        # layout the forward pass uses without copying.
+        wdtype = torch.int8 if self.quantize == "int8" else self.dtype
+        gate_up_EXD = torch.empty(e, d, 2 * width, dtype=wdtype).transpose(1, 2)
+        down_EDI = torch.empty(e, width, d, dtype=wdtype).transpose(1, 2)
+        if self.quantize == "int8":
+            return ExpertStack(
+                gate_up_EXD=gate_up_EXD,
+                down_EDI=down_EDI,
+                gate_up_scale_EX=torch.empty(e, 2 * width, dtype=self.dtype),
+                down_scale_ED=torch.empty(e, d, dtype=self.dtype),
+            )
+        return ExpertStack(gate_up_EXD=gate_up_EXD, down_EDI=down_EDI)
+
+    def write(self, name: str, row: int, src: torch.Tensor, f32: _Scratch) -> None:
+        """Rows ``[row, row + len(src))`` of tensor ``name`` from the file's bytes ``src``."""
+        target = self.by_name[name]
+        if isinstance(target, _Cast):
+            if target.dst.dim() == 0:
+                target.dst.copy_(src)
+            else:
+                _copy_rows(target.dst[row : row + src.shape[0]], src)  # the same cast kernel as .to(dtype)
+            return
+        rows, width = src.shape
+        chunk = f32.rows(rows, width)
+        scale = quantize_rows(src, self.dtype, chunk)
+        dst = target.q_OI[row : row + rows]
+        if dst.is_contiguous():
+            dst.copy_(chunk)  # integral values in [-127, 127]: exact
+        else:  # narrow to int8 first: the transpose then moves one byte per element
+            # (Transposing on a second thread while the next piece is quantized was measured: no faster on
+            # this 2-core machine under its usual load.)
+            _copy_rows(dst, chunk.to(torch.int8))
+        target.scale_O[row : row + rows].copy_(scale)
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; for a transposed (input-major) ``dst``, through a contiguous transpose of ``src``
+    in its own dtype: torch's blocked same-dtype transpose, then row-contiguous writes. A direct copy into
+    the transposed view writes with a stride per element and took 10x longer (measured, 1408 x 2048)."""
+    if dst.dim() == 2 and dst.shape[0] > 1 and dst.stride(0) == 1 and dst.stride(1) != 1:
+        if dst.t().is_contiguous() and dst.dtype == src.dtype:
+            dst.t().copy_(src.t())  # that blocked transpose straight into place (a whole down_proj)
+        else:
+            dst.t().copy_(src.t().contiguous())
+    else:
+        dst.copy_(src)
+
+
+def _bake_norm_head_(w_VD: torch.Tensor, round_dtype: torch.dtype) -> None:
+    """``LingForCausalLM.normalize_head_`` in place on ``w_VD``: each column divided by its L2 norm over the
+    vocabulary (float32) + 1e-7, rounded to ``round_dtype``, without a float32 copy of the whole head."""
+    v, d = w_VD.shape
+    bounds = list(range(0, d, NORM_COLUMNS)) + [d]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]  # a one-column block reduces by another kernel than the whole matrix does
+    norm_1D = torch.cat(
+        [
+            torch.linalg.vector_norm(w_VD[:, a:b].to(torch.float32).contiguous(), ord=2, dim=0, keepdim=True)
+            for a, b in zip(bounds, bounds[1:])
+        ],
+        dim=1,
+    )
+    norm_1D = norm_1D + NORM_HEAD_EPS
+    step = max(1, F32_BYTES // 2 // (4 * d))
+    for r0 in range(0, v, step):
+        rows = w_VD[r0 : r0 + step]
+        rows.copy_((rows.to(torch.float32) / norm_1D).to(round_dtype))
+
+
+def release_free_memory() -> None:
+    """Hand memory freed by the load (buffers, temporaries) back to the system. glibc keeps freed heap memory
+    for reuse, and the fragments left between small tensors that stay stay resident: measured at ~60 MB after
+    a 0.5 GB load, which the memory plan would otherwise have to carry for the whole run."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return
+    trim(0)
+
+
+def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly representable in ``dst``."""
+    return src == dst or dst == torch.float64 or (dst == torch.float32 and src in (torch.bfloat16, torch.float16))
+
+
+def _file_dtype(config: LingConfig) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16}.get(config.torch_dtype, torch.bfloat16)

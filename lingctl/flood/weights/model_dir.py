@@ -1,0 +1,169 @@
+"""A model directory as flood serves it: config, weights (whole or one pipeline stage's share), tokenizer,
+chat template and special tokens, stop ids, and a fingerprint that tells whether an output file was written
+by this model.
+
+Reads lingctl checkpoints and Ling checkpoints in the Hugging Face layout (``config.json``,
+``model.safetensors`` or an index with shards, ``tokenizer.json``, the chat template from
+``tokenizer_config.json`` or ``chat_template.jinja``, special tokens from ``tokenizer_config.json`` and
+``special_tokens_map.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.flood.weights.loader import LoadStats, load_streaming
+from lingctl.model.checkpoint import load_config, weight_files
+from lingctl.model.checkpoint_files import (
+    CHAT_TEMPLATE,
+    CONFIG,
+    GENERATION_CONFIG,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+)
+from lingctl.model.config import LingConfig
+from lingctl.model.ling import LingForCausalLM
+from lingctl.model.safetensors_io import read_entries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelDir:
+    path: Path
+    config: LingConfig
+
+    @staticmethod
+    def open(path: Path) -> ModelDir:
+        path = Path(path)
+        if not path.exists():
+            raise NotFoundError(f"model directory {path} does not exist")
+        if not path.is_dir():
+            raise LingctlError(f"--model must be a checkpoint directory, got a file: {path}")
+        if not (path / CONFIG).exists():
+            raise NotFoundError(f"no {CONFIG} in {path}", hint="point --model at a checkpoint directory")
+        return ModelDir(path=path, config=load_config(path))
+
+    # -- side files -------------------------------------------------------------------------------
+    def _json(self, name: str) -> dict[str, Any]:
+        p = self.path / name
+        if not p.exists():
+            return {}
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LingctlError(f"{p}: not valid JSON ({exc})") from None
+        return data if isinstance(data, dict) else {}
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        return self._json(TOKENIZER_CONFIG)
+
+    def special_tokens(self) -> dict[str, str]:
+        """The tokenizer's named special tokens as strings, as transformers' ``special_tokens_map`` has them and
+        passes them to chat templates: every ``*_token`` entry of ``tokenizer_config.json`` (``bos_token``,
+        ``eos_token``, ``pad_token``, ... and model-specific ones such as ``image_token``) and of an
+        ``extra_special_tokens`` object, each a string or an AddedToken object (its ``content``).
+        ``special_tokens_map.json`` is the older place for them: transformers reads it only when the config has
+        no ``added_tokens_decoder``, and then its entries win. Lists (``additional_special_tokens``) are not
+        named tokens, and templates do not get them."""
+        config = self.tokenizer_config()
+        tokens = _named_tokens(config)
+        if "added_tokens_decoder" not in config:
+            tokens.update(_named_tokens(self._json(SPECIAL_TOKENS_MAP)))
+        return {name: text for name, text in tokens.items() if text is not None}
+
+    def has_tokenizer(self) -> bool:
+        return (self.path / TOKENIZER).exists()
+
+    def chat_template(self) -> str | None:
+        """``chat_template.jinja`` beside the weights, else ``tokenizer_config.json``'s ``chat_template``
+        (a string, or a list of named templates of which "default" is taken), as transformers does."""
+        f = self.path / CHAT_TEMPLATE
+        if f.exists():
+            return f.read_text()
+        t = self.tokenizer_config().get("chat_template")
+        if isinstance(t, list):
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            t = named.get("default")
+        return t if isinstance(t, str) else None
+
+    def eos_ids(self) -> set[int]:
+        """Stop ids: the config's eos and ``generation_config.json``'s (an int or a list)."""
+        ids: set[int] = {self.config.eos_token_id}
+        eos = self._json(GENERATION_CONFIG).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(i for i in eos if isinstance(i, int))
+        return ids
+
+    def fingerprint(self) -> str:
+        """sha256 over config.json and, per weight file, its size, safetensors header and first/last MiB.
+        Hashing every weight byte of a 30 GB checkpoint would take longer than many batches; a retrained
+        checkpoint changes the edges of its files, and a different model changes the header."""
+        h = hashlib.sha256((self.path / CONFIG).read_bytes())
+        for file in sorted(set(weight_files(self.path).values())):
+            size = file.stat().st_size
+            h.update(f"{file.name}:{size}".encode())
+            with open(file, "rb") as f:
+                h.update(f.read(1 << 20))
+                if size > (2 << 20):
+                    f.seek(size - (1 << 20))
+                    h.update(f.read())
+        return h.hexdigest()
+
+    # -- weights ----------------------------------------------------------------------------------
+    def check_weights(self) -> None:
+        """Fail early, with the names, when the weight files are unreadable or inconsistent (headers only:
+        dtypes, shapes and offsets inside each file)."""
+        files = weight_files(self.path)
+        for file in sorted(set(files.values())):
+            read_entries(file)
+
+    def load(
+        self, *, dtype: torch.dtype, quantize: str | None = None, layers: tuple[int, int] | None = None
+    ) -> LingForCausalLM:
+        """The model, or with ``layers=(first, last)`` only what that pipeline stage needs."""
+        return self.load_with_stats(dtype=dtype, quantize=quantize, layers=layers)[0]
+
+    def load_with_stats(
+        self, *, dtype: torch.dtype, quantize: str | None = None, layers: tuple[int, int] | None = None
+    ) -> tuple[LingForCausalLM, LoadStats]:
+        """``load`` and what it read: the weights are streamed from the files into their final form (int8
+        rows and scales, or the serving dtype), each file read once (see ``lingctl.flood.weights.loader``)."""
+        model, stats = load_streaming(
+            self.path, self.config, weight_files(self.path), dtype=dtype, quantize=quantize, layers=layers
+        )
+        log.info(
+            "loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s",
+            stats.tensors,
+            stats.bytes_read / 1e9,
+            stats.files,
+            stats.seconds,
+        )
+        return model, stats
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken, serialised
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _named_tokens(side_file: dict[str, Any]) -> dict[str, str | None]:
+    """``{name: text}`` for the named special tokens in a tokenizer_config.json or special_tokens_map.json;
+    None for a name set to null, which unsets it when this file takes precedence."""
+    entries = [(name, value) for name, value in side_file.items() if name.endswith("_token")]
+    extra = side_file.get("extra_special_tokens")  # a list holds unnamed tokens; an object, named ones
+    if isinstance(extra, dict):
+        entries += extra.items()
+    return {name: _token_text(value) for name, value in entries if value is None or _token_text(value) is not None}
