@@ -38,6 +38,7 @@ from lingctl.babel.sampling import DEFAULT_SAMPLES
 from lingctl.babel.single import RenamedKeys
 from lingctl.babel.transfer import Item, check_copy, copy_object, crc_of
 from lingctl.core.atomic import sweep_stale
+from lingctl.core.cache import cache_dir
 from lingctl.core.errors import (
     DiskFullError,
     LingctlError,
@@ -63,8 +64,7 @@ def state_dir_for(dst: StoreURL, explicit: Path | None) -> Path:
     if explicit is not None:
         return Path(explicit)
     name = str(dst) if dst.is_s3 else "file://" + os.path.realpath(os.path.abspath(dst.path))
-    base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
-    return base / "babel" / hashlib.sha256(name.encode()).hexdigest()[:16]
+    return cache_dir("babel") / hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,15 +4,7 @@ lines, drawn from the meter's ``Totals`` (the library counts; this module writes
 from __future__ import annotations
 
 from lingctl.babel.meter import Totals
-from lingctl.core.units import format_size
-
-
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``1h2m5s`` (rclone's way of writing an ETA)."""
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{s}s"
+from lingctl.core.units import format_duration, format_size
 
 
 def progress_text(t: Totals) -> str:

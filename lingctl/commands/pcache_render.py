@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lingctl.core.units import format_size
+from lingctl.core.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -79,7 +79,7 @@ def _strategies_table(report: PlanReport) -> Table:
             format_size(s.rank_bytes_mean),
             format_size(max(s.node_bytes)) if s.node_bytes else "-",
             _or_dash(s.node_ratio, "{:.2f}x"),
-            _duration(s.seconds),
+            format_duration(s.seconds),
             _or_dash(s.vs_bound, "{:.2f}x"),
             format_size(s.staging_bytes) if s.staging_bytes is not None else "-",
             format_size(s.staging_async_bytes) if s.staging_async_bytes is not None else "-",
@@ -107,7 +107,7 @@ def _nodes_table(report: PlanReport) -> Table:
             format_size(r0[n]),
             format_size(dcp[n]),
             format_size(ours[n]),
-            _duration(ours[n] / (gbps[n] * 1e9)),
+            format_duration(ours[n] / (gbps[n] * 1e9)),
         )
     return table
 
@@ -157,13 +157,3 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return str(n)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 10:
-        return f"{seconds:.2f} s"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"

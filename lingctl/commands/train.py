@@ -26,6 +26,7 @@ from lingctl.commands.options import (
 from lingctl.core.errors import Interrupted, UsageError
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
+from lingctl.core.units import format_duration
 from lingctl.model.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -411,7 +412,7 @@ def _summary(r: TrainResult, console: Any) -> None:
     loss = f"loss {r.first_loss:.3f} -> {r.last_loss:.3f}" if r.first_loss is not None else "no new steps"
     evals = f", eval loss {r.eval_loss:.3f}" if r.eval_loss is not None else ""
     speed = f", {r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s is not None else ""
-    wall = f", wall time {_duration(r.wall_s)}" if r.wall_s is not None else ""
+    wall = f", wall time {format_duration(r.wall_s)}" if r.wall_s is not None else ""
     console.print(
         f"{r.stopped}: {r.steps}/{r.target_steps} steps, {r.tokens:,} tokens, {loss}{evals}, "
         f"{r.spikes_skipped} spike(s) skipped, {r.elapsed_s:.0f} s{speed}{wall}",
@@ -505,13 +506,4 @@ class _View:
         if done < 1:
             return ""
         per_step = (record["time"] - self._first[1]) / done
-        return f" ETA {_duration(per_step * max(self._total - record['step'], 0))}"
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+        return f" ETA {format_duration(per_step * max(self._total - record['step'], 0))}"

@@ -62,3 +62,18 @@ def parse_duration(text: str) -> float:
     if value < 0 or (negative and value > 0):
         raise ValueError(f"invalid duration {text!r}: must not be negative")
     return value
+
+
+def format_duration(seconds: float) -> str:
+    """A length of time as rclone writes an ETA: ``3725`` -> ``1h2m5s``, ``75`` -> ``1m15s``; under a minute,
+    seconds with the precision that still means something (``2.35s``, ``12.3s``, ``42s``)."""
+    if not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        if seconds < 10:
+            return f"{seconds:.2f}s"
+        return f"{seconds:.1f}s" if seconds < 30 else f"{round(seconds)}s"
+    whole = int(round(seconds))
+    h, rest = divmod(whole, 3600)
+    m, s = divmod(rest, 60)
+    return (f"{h}h" if h else "") + f"{m}m{s}s"

@@ -33,6 +33,7 @@ from typing import Any
 
 from lingctl.babel.sync import Syncer, SyncOptions, SyncResult
 from lingctl.core.atomic import TMP_MARKER, atomic_write, tmp_path
+from lingctl.core.cache import cache_dir as lingctl_cache_dir
 from lingctl.core.checksum import crc64_file
 from lingctl.core.errors import LingctlError, NotFoundError, RetryableError, UsageError, VerificationError, os_error
 from lingctl.core.storage import S3Options, StoreURL, open_store, parse_url
@@ -539,7 +540,7 @@ def _move_aside(path: Path, aside: list[Path]) -> None:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "pcache"
+    return lingctl_cache_dir("pcache")
 
 
 def cache_path(url: str, cache_dir: Path | str | None) -> Path:

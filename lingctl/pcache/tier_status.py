@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import TMP_MARKER, atomic_write
+from lingctl.core.cache import cache_root
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError, os_error
 from lingctl.core.names import UnsafeNameError, check_relative, printable
 from lingctl.core.private_dir import ensure_private_dir
@@ -108,22 +109,18 @@ def read_marker(local_dir: Path) -> dict[str, Any] | None:
 # -- recorded progress --------------------------------------------------------------------------------------
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
-
-
 def state_dir(local_dir: Path) -> Path:
     """Where progress of ``local_dir`` is recorded: in lingctl's cache directory, keyed by the checkpoint's
     real path, never beside or inside it (a run directory holds only what the run wrote, so a sync of it
     copies no tool state)."""
     real = os.path.realpath(os.path.abspath(local_dir))
-    return _cache_root() / "pcache" / "state" / hashlib.sha256(real.encode()).hexdigest()[:16]
+    return cache_root() / "pcache" / "state" / hashlib.sha256(real.encode()).hexdigest()[:16]
 
 
 def ensure_state_dir(local_dir: Path) -> Path:
     """``state_dir(local_dir)``, created: the cache directory and every directory below it must belong to
     this user and be writable by nobody else (created 0700), since others could plant links in them."""
-    root = _cache_root()
+    root = cache_root()
     state = state_dir(local_dir)
     try:
         root.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import NotFoundError, os_error
+from lingctl.core.jsonl import BadLine, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,8 @@ def lines(data: bytes, check: Check = check_record) -> list[Line]:
             continue
         torn = i == len(rows) - 1 and not data.endswith(b"\n")
         try:
-            # ValueError: not JSON (or not UTF-8), an integer too long to read; RecursionError: endless nesting.
-            record = json.loads(row)
-        except (ValueError, RecursionError):
+            record = parse_json(row, nan=True)
+        except BadLine:
             out.append(Line(i + 1, row, None, None if torn else "not JSON"))
             continue
         why = check(record) if isinstance(record, dict) else f"{_kind(record)}, not a record"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import os
 import sysconfig
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError, os_error
+from lingctl.core.jsonl import BadLine, parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +98,9 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise LingctlError(f"{path}:{lineno}: malformed JSON: {exc}") from exc
+                    record = parse_json(line)
+                except BadLine as exc:
+                    raise LingctlError(f"{path}:{lineno}: malformed JSON: {exc}") from None
                 text = record.get(text_field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     raise LingctlError(

@@ -26,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from lingctl.core.cache import cache_dir as lingctl_cache_dir
 from lingctl.core.errors import LingctlError, NotFoundError, os_error
 from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
@@ -58,11 +58,7 @@ _FOREIGN_HINT = (
 
 
 def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
-    base = (
-        Path(cache_dir)
-        if cache_dir is not None
-        else Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl") / "runs"
-    )
+    base = Path(cache_dir) if cache_dir is not None else lingctl_cache_dir("runs")
     return base / hashlib.sha256(str(url).encode()).hexdigest()[:16]
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from lingctl.core.errors import UsageError
-from lingctl.core.units import format_size, parse_duration, parse_size
+from lingctl.core.units import format_duration, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,12 @@ def test_parse_duration(text, seconds) -> None:
 def test_bad_durations_name_the_text(text, why) -> None:
     with pytest.raises(ValueError, match=why):
         parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(0.4, "0.40s"), (2.345, "2.35s"), (12.34, "12.3s"), (42.4, "42s"), (75, "1m15s"), (3725, "1h2m5s")],
+)
+def test_format_duration(seconds: float, shown: str) -> None:
+    assert format_duration(seconds) == shown
+    assert format_duration(float("inf")) == "-"

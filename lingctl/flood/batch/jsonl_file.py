@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lingctl.core.errors import UsageError, VerificationError, os_error
+from lingctl.core.jsonl import BadLine, parse_object
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +246,9 @@ def _record(raw: bytes) -> dict[str, Any] | None:
     if raw.isspace():
         return _BLANK
     try:
-        record = json.loads(raw)
-    except ValueError:
+        return parse_object(raw)
+    except BadLine:
         return None
-    return record if isinstance(record, dict) else None
 
 
 def read_jsonl(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import os_error
+from lingctl.core.jsonl import BadLine, parse_json
 from lingctl.flood.engine.sampling import SamplingParams
 
 COMPLETIONS = "/v1/completions"
@@ -166,15 +167,9 @@ def read_batch(path: Path) -> Batch:
 def parse_line(text: str, line: int) -> Request | RequestError:
     """One line of the batch file; never raises for a bad line."""
     try:
-        obj = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        return RequestError(
-            line=line, custom_id=None, code=INVALID_JSON, message=f"not valid JSON: {exc.msg} at column {exc.colno}"
-        )
-    except ValueError as exc:
-        return RequestError(line=line, custom_id=None, code=INVALID_JSON, message=f"not valid JSON: {exc}")
-    except RecursionError:
-        return RequestError(line=line, custom_id=None, code=INVALID_JSON, message="JSON nested too deeply")
+        obj = parse_json(text)
+    except BadLine as exc:
+        return RequestError(line=line, custom_id=None, code=INVALID_JSON, message=str(exc))
     if not isinstance(obj, dict):
         return RequestError(
             line=line,
@@ -346,11 +341,6 @@ def _text(value: str, where: str) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _no_constant(name: str) -> Any:
-    # Python's json reads NaN and Infinity; JSON (and OpenAI) do not, and NaN would pass no range check.
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _show(value: Any) -> str:

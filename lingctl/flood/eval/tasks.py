@@ -18,13 +18,13 @@ many items, so the engine computes that block once (prefix sharing).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import UsageError, os_error
+from lingctl.core.jsonl import BadLine, parse_json
 from lingctl.core.names import printable
 
 CHOICE = "choice"
@@ -120,15 +120,15 @@ def _read_task(path: Path, regex: str | None) -> Task:
             continue
         where = f"{path}:{number}"
         try:
-            obj = json.loads(raw)
-            if isinstance(obj, dict):
-                _check_unicode(obj, where)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{where}: not a JSON object ({exc})") from None
-        except RecursionError:
-            raise UsageError(f"{where}: JSON nested too deeply") from None
+            obj = parse_json(raw)
+        except BadLine as exc:
+            reason = str(exc)
+            raise UsageError(
+                f"{where}: {reason}" if "nested" in reason else f"{where}: not a JSON object ({reason})"
+            ) from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: not a JSON object")
+        _check_unicode(obj, where)
         item = _item(obj, name, number, where, regex)
         if kind is None:
             kind = item.kind

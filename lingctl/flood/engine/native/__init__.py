@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lingctl.core.cache import cache_root
 from lingctl.core.errors import LingctlError
 from lingctl.core.private_dir import ensure_private_dir
 
@@ -56,7 +57,7 @@ _ptr = ctypes.c_void_p
 
 
 def _cache_dir() -> Path:
-    base = Path(os.environ.get("LINGCTL_CACHE_DIR") or Path.home() / ".cache" / "lingctl")
+    base = cache_root()
     ensure_private_dir(base, deny=0o022)  # shared with lingctl's other caches: others may read, not write
     return ensure_private_dir(base / "native")
 
