@@ -11,7 +11,7 @@ from lingctl.core.jsonl import BadLine, parse_json, parse_object
     ("raw", "reason"),
     [
         (b'{"a": ', "not valid JSON"),
-        (b"\xff\xfe{}", "not UTF-8"),
+        (b'{"a": "\x80"}', "not UTF-8"),
         (b'{"a": NaN}', "NaN is not a JSON number"),
         (b'{"a": -Infinity}', "-Infinity is not a JSON number"),
         (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
