@@ -1,7 +1,7 @@
-"""Human views of ``lingctl pcache`` results: the plan's tables and the tier status table.
+"""Human views of ``lingctl pcache`` results: the plan's tables, the tier status table, the upload line.
 
-The library returns records (``PlanReport``, ``CheckpointStatus``); drawing them is the commands' job.
-Rich is imported inside the functions so that ``--json`` runs never load it.
+The library returns records (``PlanReport``, ``CheckpointStatus``, ``UploadResult``); drawing them is the
+commands' job. Rich is imported inside the functions so that ``--json`` runs never load it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from lingctl.pcache.compare import PlanReport
+    from lingctl.pcache.plan import PlanReport
+    from lingctl.pcache.tier import UploadResult
     from lingctl.pcache.tier_status import CheckpointStatus
 
 # More nodes than this are summed up in one line; --json lists them all.
@@ -146,6 +147,14 @@ def render_status(path: Path, rows: Sequence[CheckpointStatus], console: Console
     for r in rows:
         for problem in r.problems:
             console.print(f"{r.name}: {problem}", markup=False)
+
+
+def upload_line(r: UploadResult) -> str:
+    """The one line ``pcache upload`` prints: where it went, what was copied and what was there already."""
+    return (
+        f"{r.local_dir} -> {r.remote}: durable; copied {r.copied} file(s) "
+        f"({format_size(r.copied_bytes)}), {r.skipped} already there; {r.seconds:.1f} s"
+    )
 
 
 def _or_dash(value: float | None, fmt: str) -> str:

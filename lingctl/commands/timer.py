@@ -11,8 +11,9 @@ from typing import Annotated, Any
 
 import typer
 
-from lingctl.commands.options import DURATION_FORMS, STDOUT, JsonOpt, at_least, duration
-from lingctl.core.errors import NotFoundError, UsageError
+from lingctl.commands.options import DURATION_FORMS, STDOUT, JsonOpt, duration
+from lingctl.commands.timer_attach import attach
+from lingctl.core.errors import UsageError
 from lingctl.core.output import Output
 
 app = typer.Typer(
@@ -61,73 +62,7 @@ def run(
     raise typer.Exit(run_traced(list(ctx.args), out=out, targets=trace))
 
 
-@app.command("attach")
-def attach(
-    pid: Annotated[int, typer.Option("--pid", "-p", metavar="PID", help="The process to look at.")],
-    once: Annotated[bool, typer.Option("--once", help="One snapshot, then exit.")] = False,
-    interval: Annotated[
-        float,
-        typer.Option(
-            "--interval",
-            "-i",
-            parser=duration,
-            metavar="DURATION",
-            help=f"Time between refreshes, at least 100ms ({DURATION_FORMS}).",
-        ),
-    ] = 2.0,
-    stacks: Annotated[
-        bool,
-        typer.Option(
-            "--stacks/--no-stacks",
-            help="Include the Python stacks of every thread. Off by default, as a live view's stacks cost every "
-            "refresh a signal to the process and a wait for its dump (py-spy for an untraced one).",
-        ),
-    ] = False,
-    steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Steps the breakdown averages over.")] = 20,
-    json: JsonOpt = False,
-) -> None:
-    """Watch one process: step time breakdown, what it is inside now, CPU/memory/GPU, stacks.
-
-    Refreshes every --interval until Ctrl-C (one JSON line per refresh with --json); --once prints one snapshot.
-    """
-    from lingctl.commands.timer_render import render, status_line
-    from lingctl.timer.attach import Attacher
-
-    at_least("--interval", interval, 0.1)
-    out_ = Output(json)
-    attacher = Attacher(pid, window_steps=steps)
-    try:
-        time.sleep(0.1)  # CPU % needs an interval
-        if once:
-            snap = attacher.snapshot(stacks=stacks)
-            out_.result(snap, render(snap))
-            return
-        live = None
-        if not json and out_.console.is_terminal:
-            from rich.live import Live
-            from rich.text import Text
-
-            live = Live(console=out_.console, auto_refresh=False)
-            live.start()
-        try:
-            while True:
-                try:
-                    snap = attacher.snapshot(stacks=stacks)
-                except NotFoundError:
-                    out_.info(f"process {pid} exited")
-                    return
-                if live is not None:
-                    live.update(Text(render(snap), overflow="fold"), refresh=True)
-                else:
-                    out_.record(snap, status_line(snap))
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            return
-        finally:
-            if live is not None:
-                live.stop()
-    finally:
-        attacher.close()
+app.command("attach")(attach)
 
 
 @app.command("diagnose")

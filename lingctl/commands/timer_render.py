@@ -51,45 +51,48 @@ def render(snap: dict) -> str:
     if snap["gpu_note"] and snap["gpus"] is None:
         lines.append(f"  {snap['gpu_note']}")
     t = snap["trace"]
-    if t is None:
-        lines.append(snap["note"])
-    else:
-        beat = t["heartbeat_age_s"]
-        lines.append(
-            f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
-            f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago"
-        )
-        if beat > STALE_HEARTBEAT_S:
-            lines.append(
-                "  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
-                "tracing stopped (try --stacks)"
-            )
-        if not t["enabled"]:
-            lines.append("  tracing disabled itself after an internal error: the figures below stop there")
-        b = t["breakdown"]
-        if b["steps"]:
-            st = b["step_time_s"]
-            lines.append(
-                f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
-                f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s"
-            )
-            for name, s in b["parts_s"].items():
-                share = s["mean"] / st["mean"] if st["mean"] > 0 else 0.0
-                lines.append(f"  {name:<15} {_ms(s['mean']):>10} mean {_ms(s['last']):>10} last  {share:5.1%}")
-        else:
-            lines.append("no finished step yet (steps end at the optimizer's step())")
-        for g in t["groups"]:
-            state = "in flight" if g["in_flight"] else "idle"
-            lines.append(
-                f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
-                f"#{g['completed_seq']}, {state}, last {g['last_op']}"
-            )
+    lines += [snap["note"]] if t is None else _trace_lines(t)
     if snap["stacks"]:
         lines.append(f"stacks ({snap['stacks_source']}):")
         lines.extend("  " + line for line in snap["stacks"].rstrip().splitlines())
     if snap["stacks_note"]:
         lines.append(f"stacks: {snap['stacks_note']}")
     return "\n".join(lines)
+
+
+def _trace_lines(t: dict) -> list[str]:
+    """What the ring shows: rank, step and where the process is, the step breakdown, each group's progress."""
+    beat = t["heartbeat_age_s"]
+    lines = [
+        f"rank {t['rank']} of {t['world']} (local {t['local_rank']}), step {t['step']}, "
+        f"{describe_inside(t['inside'])}; heartbeat {beat:.1f} s ago"
+    ]
+    if beat > STALE_HEARTBEAT_S:
+        lines.append(
+            "  the heartbeat is stale: the process holds the GIL in native code, is stopped, or "
+            "tracing stopped (try --stacks)"
+        )
+    if not t["enabled"]:
+        lines.append("  tracing disabled itself after an internal error: the figures below stop there")
+    b = t["breakdown"]
+    if b["steps"]:
+        st = b["step_time_s"]
+        lines.append(
+            f"last {b['steps']} steps: {_ms(st['mean'])} mean, {_ms(st['median'])} median, "
+            f"{_ms(st['last'])} last; {b['throughput_steps_per_s']:.2f} steps/s"
+        )
+        for name, s in b["parts_s"].items():
+            share = s["mean"] / st["mean"] if st["mean"] > 0 else 0.0
+            lines.append(f"  {name:<15} {_ms(s['mean']):>10} mean {_ms(s['last']):>10} last  {share:5.1%}")
+    else:
+        lines.append("no finished step yet (steps end at the optimizer's step())")
+    for g in t["groups"]:
+        state = "in flight" if g["in_flight"] else "idle"
+        lines.append(
+            f"  group {g['name']} (size {g['size']}): started #{g['started_seq']}, completed "
+            f"#{g['completed_seq']}, {state}, last {g['last_op']}"
+        )
+    return lines
 
 
 def render_diagnosis(d: Diagnosis) -> str:

@@ -186,140 +186,174 @@ def place(
     groups = np.asarray(groups, dtype=np.int64)
     if sizes.shape != groups.shape:
         raise ValueError(f"sizes and groups differ in length: {sizes.shape} vs {groups.shape}")
-    world = topology.world_size
-    rank_nodes = topology.rank_nodes
+    sets = _holder_sets(holder_sets, topology.world_size)
+    writers = np.full(len(sizes), -1, dtype=np.int64)
+    single = np.array([len(h) == 1 for h in sets] or [False], dtype=bool)
+    # 1. Rank-unique items are fixed; count them first.
+    rank_load = _place_unique(sizes, groups, sets, single, writers, topology.world_size)
+    node_load = [0.0] * topology.num_nodes
+    for r, b in enumerate(rank_load):
+        node_load[topology.rank_nodes[r]] += b
+    # 2. Replicated items, largest first.
+    replicated = np.flatnonzero(~single[groups]) if len(sizes) else np.zeros(0, dtype=np.int64)
+    _place_replicated(replicated, sizes, groups, sets, topology, rank_load, node_load, writers)
+    placement = Placement(writers=writers, rank_bytes=[], node_bytes=[])
+    if rows is not None and len(sizes):
+        rows = np.asarray(rows, dtype=np.int64)
+        evener = _Evener(placement, sizes, rows, groups, sets, topology, rank_load, node_load)
+        evener.run(~single[groups], tolerance)
+    placement.rank_bytes = [int(round(x)) for x in rank_load]
+    placement.node_bytes = [0] * topology.num_nodes
+    for r, b in enumerate(placement.rank_bytes):
+        placement.node_bytes[topology.rank_nodes[r]] += b
+    return placement
+
+
+def _holder_sets(holder_sets: Sequence[Sequence[int]], world: int) -> list[list[int]]:
+    """Each holder set sorted and deduplicated, checked to name ranks of the world."""
     sets = [sorted(set(h)) for h in holder_sets]
     for g, holders in enumerate(sets):
         if not holders:
             raise ValueError(f"holder set {g} is empty")
         if holders[0] < 0 or holders[-1] >= world:
             raise ValueError(f"holder set {g} names rank {holders[-1]}, outside a world of {world}")
-    writers = np.full(len(sizes), -1, dtype=np.int64)
-    rank_load = [0.0] * world
-    # 1. Rank-unique items are fixed; count them first.
-    single = np.array([len(h) == 1 for h in sets] or [False], dtype=bool)
-    if len(sizes):
-        unique_mask = single[groups]
-        first = np.array([h[0] for h in sets], dtype=np.int64)
-        writers[unique_mask] = first[groups[unique_mask]]
-        per_rank = np.bincount(writers[unique_mask], weights=sizes[unique_mask], minlength=world)
-        rank_load = [float(x) for x in per_rank]
-    node_load = [0.0] * topology.num_nodes
-    for r, b in enumerate(rank_load):
-        node_load[rank_nodes[r]] += b
-    # Holders of each set, grouped by node (node order, rank order within).
-    by_node: list[list[tuple[int, list[int]]]] = []
-    for holders in sets:
-        nodes: dict[int, list[int]] = {}
-        for r in holders:
-            nodes.setdefault(rank_nodes[r], []).append(r)
-        by_node.append(sorted(nodes.items()))
-    speeds_all = topology.node_bandwidth
-    heaps: dict[int, list[tuple[float, list[tuple[float, int]]]]] = {}
-    # 2. Replicated items, largest first; ties by holder set, then item order.
-    rep = np.flatnonzero(~single[groups]) if len(sizes) else np.zeros(0, dtype=np.int64)
-    order = rep[np.lexsort((rep, groups[rep], -sizes[rep]))]
-    if len(order):
-        key_size, key_group = sizes[order], groups[order]
-        breaks = np.flatnonzero((np.diff(key_size) != 0) | (np.diff(key_group) != 0)) + 1
-        starts = np.concatenate(([0], breaks)).tolist()
-        ends = np.concatenate((breaks, [len(order)])).tolist()
-        for s, e in zip(starts, ends):
-            size = float(key_size[s])
-            g = int(key_group[s])
-            node_groups = by_node[g]
-            if e - s > 2 * len(node_groups):
-                _place_block(order[s:e], size, node_groups, node_load, rank_load, speeds_all, writers)
-                continue
-            if g not in heaps:
-                heaps[g] = _class_heaps(node_groups, node_load, speeds_all)
-            ranks_of = dict(node_groups)
-            for i in order[s:e].tolist():
-                n = _next_node(heaps[g], node_load, size)
-                ranks = ranks_of[n]
-                r = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda x: (rank_load[x], x))
-                rank_load[r] += size
-                writers[i] = r
-    placement = Placement(writers=writers, rank_bytes=[], node_bytes=[])
-    if rows is not None and len(sizes):
-        _even_out(
-            placement,
-            sizes,
-            np.asarray(rows, dtype=np.int64),
-            ~single[groups],
-            groups,
-            sets,
-            topology,
-            rank_load,
-            node_load,
-            tolerance,
-        )
-    placement.rank_bytes = [int(round(x)) for x in rank_load]
-    placement.node_bytes = [0] * topology.num_nodes
-    for r, b in enumerate(placement.rank_bytes):
-        placement.node_bytes[rank_nodes[r]] += b
-    return placement
+    return sets
 
 
-def _even_out(
-    placement: Placement,
+def _place_unique(
+    sizes: np.ndarray, groups: np.ndarray, sets: list[list[int]], single: np.ndarray, writers: np.ndarray, world: int
+) -> list[float]:
+    """Items only one rank holds go to that rank; the bytes each rank then writes."""
+    if not len(sizes):
+        return [0.0] * world
+    unique_mask = single[groups]
+    first = np.array([h[0] for h in sets], dtype=np.int64)
+    writers[unique_mask] = first[groups[unique_mask]]
+    per_rank = np.bincount(writers[unique_mask], weights=sizes[unique_mask], minlength=world)
+    return [float(x) for x in per_rank]
+
+
+def _place_replicated(
+    items: np.ndarray,
     sizes: np.ndarray,
-    rows: np.ndarray,
-    replicated: np.ndarray,
     groups: np.ndarray,
     sets: list[list[int]],
     topology: Topology,
     rank_load: list[float],
     node_load: list[float],
-    tolerance: float,
+    writers: np.ndarray,
 ) -> None:
-    rank_nodes = topology.rank_nodes
-    bw = topology.node_bandwidth
-    nodes = topology.num_nodes
-    kept = rows.copy()
-    placement.kept_rows = kept
-    if nodes < 2:
+    """Replicated ``items``, largest first (ties by holder set, then item order). A long run of one size and
+    holder set goes as a block (``_place_block``), a short one item by item through per-bandwidth heaps."""
+    if not len(items):
         return
-    ideal = sum(node_load) / sum(bw)
-    writers = placement.writers
-    # Per node, its cuttable replicated items, largest first: the candidates to take rows from.
-    cuttable = np.flatnonzero(replicated & (rows > 1))
-    on_node = np.asarray(rank_nodes, dtype=np.int64)[writers[cuttable]] if len(cuttable) else cuttable
-    by_node = [cuttable[on_node == n] for n in range(nodes)]
-    by_node = [items[np.argsort(-sizes[items], kind="stable")].tolist() for items in by_node]
-    held_on = [frozenset(rank_nodes[r] for r in h) for h in sets]
-    stuck: set[tuple[int, int]] = set()
-    for _ in range(8 * nodes):
-        finish = [node_load[n] / bw[n] for n in range(nodes)]
-        hi = max(range(nodes), key=lambda n: (finish[n], -n))
-        if finish[hi] - min(finish) <= tolerance * ideal:
+    # Holders of each set, grouped by node (node order, rank order within).
+    by_node = [_holders_by_node(holders, topology.rank_nodes) for holders in sets]
+    speeds = topology.node_bandwidth
+    heaps: dict[int, list[tuple[float, list[tuple[float, int]]]]] = {}
+    order = items[np.lexsort((items, groups[items], -sizes[items]))]
+    key_size, key_group = sizes[order], groups[order]
+    breaks = np.flatnonzero((np.diff(key_size) != 0) | (np.diff(key_group) != 0)) + 1
+    starts = np.concatenate(([0], breaks)).tolist()
+    ends = np.concatenate((breaks, [len(order)])).tolist()
+    for s, e in zip(starts, ends):
+        size = float(key_size[s])
+        g = int(key_group[s])
+        node_groups = by_node[g]
+        if e - s > 2 * len(node_groups):
+            _place_block(order[s:e], size, node_groups, node_load, rank_load, speeds, writers)
+            continue
+        if g not in heaps:
+            heaps[g] = _class_heaps(node_groups, node_load, speeds)
+        ranks_of = dict(node_groups)
+        for i in order[s:e].tolist():
+            ranks = ranks_of[_next_node(heaps[g], node_load, size)]
+            r = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda x: (rank_load[x], x))
+            rank_load[r] += size
+            writers[i] = r
+
+
+def _holders_by_node(holders: list[int], rank_nodes: Sequence[int]) -> list[tuple[int, list[int]]]:
+    nodes: dict[int, list[int]] = {}
+    for r in holders:
+        nodes.setdefault(rank_nodes[r], []).append(r)
+    return sorted(nodes.items())
+
+
+class _Evener:
+    """The evening-out pass of ``place``: tail rows moved from the latest node to an earlier one that holds
+    the item, until nodes finish within the tolerance or no move helps."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        sizes: np.ndarray,
+        rows: np.ndarray,
+        groups: np.ndarray,
+        sets: list[list[int]],
+        topology: Topology,
+        rank_load: list[float],
+        node_load: list[float],
+    ) -> None:
+        self.placement, self.sizes, self.rows, self.groups, self.sets = placement, sizes, rows, groups, sets
+        self.rank_nodes, self.bw, self.nodes = topology.rank_nodes, topology.node_bandwidth, topology.num_nodes
+        self.rank_load, self.node_load = rank_load, node_load
+        self.kept = rows.copy()
+        placement.kept_rows = self.kept
+        self.held_on = [frozenset(self.rank_nodes[r] for r in h) for h in sets]
+
+    def run(self, replicated: np.ndarray, tolerance: float) -> None:
+        nodes, bw, node_load = self.nodes, self.bw, self.node_load
+        if nodes < 2:
             return
-        moved = False
-        for lo in sorted(range(nodes), key=lambda n: (finish[n], n)):
-            if lo == hi or finish[hi] - finish[lo] <= tolerance * ideal or (hi, lo) in stuck:
+        ideal = sum(node_load) / sum(bw)
+        by_node = self._cuttable(replicated)
+        stuck: set[tuple[int, int]] = set()
+        for _ in range(8 * nodes):
+            finish = [node_load[n] / bw[n] for n in range(nodes)]
+            hi = max(range(nodes), key=lambda n: (finish[n], -n))
+            if finish[hi] - min(finish) <= tolerance * ideal:
+                return
+            moved = False
+            for lo in sorted(range(nodes), key=lambda n: (finish[n], n)):
+                if lo == hi or finish[hi] - finish[lo] <= tolerance * ideal or (hi, lo) in stuck:
+                    continue
+                moved = self._move(by_node[hi], hi, lo)
+                if moved:
+                    break
+                stuck.add((hi, lo))
+            if not moved:
+                return
+
+    def _cuttable(self, replicated: np.ndarray) -> list[list[int]]:
+        """Per node, its cuttable replicated items, largest first: the candidates to take rows from."""
+        cuttable = np.flatnonzero(replicated & (self.rows > 1))
+        writers = self.placement.writers
+        on_node = np.asarray(self.rank_nodes, dtype=np.int64)[writers[cuttable]] if len(cuttable) else cuttable
+        by_node = [cuttable[on_node == n] for n in range(self.nodes)]
+        return [items[np.argsort(-self.sizes[items], kind="stable")].tolist() for items in by_node]
+
+    def _move(self, candidates: list[int], hi: int, lo: int) -> bool:
+        """Cut tail rows off one of ``hi``'s items for a holder on ``lo``, so that the two finish together."""
+        bw, node_load, rank_load, kept = self.bw, self.node_load, self.rank_load, self.kept
+        # Bytes x that make the two finish together: (L_hi - x) / bw_hi = (L_lo + x) / bw_lo.
+        want = (node_load[hi] * bw[lo] - node_load[lo] * bw[hi]) / (bw[lo] + bw[hi])
+        for item in candidates[:64]:
+            if kept[item] <= 1 or lo not in self.held_on[self.groups[item]]:
                 continue
-            # Bytes x that make the two finish together: (L_hi - x) / bw_hi = (L_lo + x) / bw_lo.
-            want = (node_load[hi] * bw[lo] - node_load[lo] * bw[hi]) / (bw[lo] + bw[hi])
-            for item in by_node[hi][:64]:
-                if kept[item] <= 1 or lo not in held_on[groups[item]]:
-                    continue
-                row_bytes = sizes[item] / rows[item]
-                k = min(int(kept[item]) - 1, int(round(want / row_bytes)))
-                if k <= 0:
-                    continue
-                start = int(kept[item]) - k
-                target = min((r for r in sets[groups[item]] if rank_nodes[r] == lo), key=lambda r: (rank_load[r], r))
-                nbytes = k * row_bytes
-                kept[item] = start
-                rank_load[int(writers[item])] -= nbytes
-                rank_load[target] += nbytes
-                node_load[hi] -= nbytes
-                node_load[lo] += nbytes
-                placement.cuts.append((int(item), start, k, int(target)))
-                moved = True
-                break
-            if moved:
-                break
-            stuck.add((hi, lo))
-        if not moved:
-            return
+            row_bytes = self.sizes[item] / self.rows[item]
+            k = min(int(kept[item]) - 1, int(round(want / row_bytes)))
+            if k <= 0:
+                continue
+            start = int(kept[item]) - k
+            holders = (r for r in self.sets[self.groups[item]] if self.rank_nodes[r] == lo)
+            target = min(holders, key=lambda r: (rank_load[r], r))
+            nbytes = k * row_bytes
+            kept[item] = start
+            rank_load[int(self.placement.writers[item])] -= nbytes
+            rank_load[target] += nbytes
+            node_load[hi] -= nbytes
+            node_load[lo] += nbytes
+            self.placement.cuts.append((int(item), start, k, int(target)))
+            return True
+        return False

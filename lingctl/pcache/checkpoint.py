@@ -3,9 +3,9 @@
 ``save(state, "s3://bucket/run/step-100", cache_dir="/nvme/cache")`` writes this rank's share (as the
 planner decided) into the node-local cache at local-disk speed and returns; the uploader copies it to the
 destination in the background, the commit marker last. A local or shared-filesystem destination without a
-cache dir is written in place. ``load`` reads through ``tier.resolve_for_read``: the local copy when it is
-complete and verified, else what the remote holds; then through ``safe_reader.SafeReader``, so that nothing in
-the checkpoint runs as code.
+cache dir is written in place. ``load`` reads through ``local_copy.resolve_for_read``: the local copy when it
+is complete and verified, else what the remote holds; then through ``safe_reader.SafeReader``, so that
+nothing in the checkpoint runs as code.
 
 Errors that DCP collects from all ranks come back as one ``CheckpointException``; the first lingctl error in
 it is re-raised as itself, so the command line shows one line, not every rank's traceback.
@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lingctl.core.errors import LingctlError, VerificationError
 from lingctl.core.storage import S3Options, parse_url
 from lingctl.pcache import tier
+from lingctl.pcache.local_copy import cache_path, resolve_for_read
+from lingctl.pcache.marker import MARKER, read_marker
 from lingctl.pcache.safe_reader import SafeReader, refusal_reason
 from lingctl.pcache.save_planner import DEFAULT_CHUNK_BYTES, PCacheSavePlanner, PlanSummary
 from lingctl.pcache.throttle import NodeThrottle
@@ -104,7 +106,7 @@ def save(
     start = time.monotonic()
     url = str(destination)
     remote = url if parse_url(url).is_s3 or cache_dir is not None else None
-    local = tier.cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
+    local = cache_path(url, cache_dir) if remote is not None else parse_url(url).path.absolute()
     planner = PCacheSavePlanner(
         topology=topology,
         ranks_per_node=ranks_per_node,
@@ -114,24 +116,9 @@ def save(
     # A topology that does not fit the job is a usage error on every rank, before anything is written.
     world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
     planner.topology_for(world)
-
-    def marker_extra() -> dict[str, Any]:
-        plan = planner.summary
-        figures = (
-            {
-                "plan": {
-                    "node_bytes": plan.node_bytes,
-                    "rank_bytes": plan.rank_bytes,
-                    "estimated_s": plan.estimated_s,
-                    "items": plan.items,
-                }
-            }
-            if plan
-            else {}
-        )
-        return {**figures, **(extra or {})}
-
-    writer = PCacheWriter(local, buffer_bytes=buffer_bytes, throttle=throttle, extra=marker_extra)
+    writer = PCacheWriter(
+        local, buffer_bytes=buffer_bytes, throttle=throttle, extra=lambda: _marker_extra(planner.summary, extra)
+    )
     try:
         with _quiet_single_process():
             dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
@@ -140,13 +127,7 @@ def save(
     seconds = time.monotonic() - start
     rank = _rank()
     if remote is not None:
-        finalize = rank == 0
-        if uploader is not None:
-            uploader.submit(local, remote, s3, rank=rank, finalize=finalize, on_durable=on_durable)
-        else:
-            tier.upload(local, remote, s3, rank=rank, finalize=finalize)
-            if finalize and on_durable is not None:
-                on_durable(remote)
+        _hand_over(local, remote, s3, rank=rank, uploader=uploader, on_durable=on_durable)
     log.debug("rank %d wrote %d bytes of %s in %.2f s", rank, writer.written_bytes, local, seconds)
     return SaveResult(
         local_dir=str(local),
@@ -155,6 +136,44 @@ def save(
         seconds=round(seconds, 4),
         plan=planner.summary,
     )
+
+
+def _marker_extra(plan: PlanSummary | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """What the commit marker records beside the files: the plan's figures (on the coordinator), then
+    ``extra``."""
+    figures = (
+        {
+            "plan": {
+                "node_bytes": plan.node_bytes,
+                "rank_bytes": plan.rank_bytes,
+                "estimated_s": plan.estimated_s,
+                "items": plan.items,
+            }
+        }
+        if plan
+        else {}
+    )
+    return {**figures, **(extra or {})}
+
+
+def _hand_over(
+    local: Path,
+    remote: str,
+    s3: S3Options | None,
+    *,
+    rank: int,
+    uploader: tier.Uploader | None,
+    on_durable: Any,
+) -> None:
+    """This rank's part of the upload of what it wrote: queued on ``uploader``, else done now (the
+    coordinator, rank 0, also sends the marker)."""
+    finalize = rank == 0
+    if uploader is not None:
+        uploader.submit(local, remote, s3, rank=rank, finalize=finalize, on_durable=on_durable)
+        return
+    tier.upload(local, remote, s3, rank=rank, finalize=finalize)
+    if finalize and on_durable is not None:
+        on_durable(remote)
 
 
 def load(
@@ -176,22 +195,19 @@ def load(
     """
     url = str(source)
     parsed = parse_url(url)
-    local = tier.cache_path(url, cache_dir) if parsed.is_s3 else parsed.path.absolute()
+    local = cache_path(url, cache_dir) if parsed.is_s3 else parsed.path.absolute()
     multi = dist.is_available() and dist.is_initialized()
     failure: LingctlError | None = None
     if not multi or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
         try:
-            tier.resolve_for_read(url, cache_dir=local if parsed.is_s3 else None, s3=s3, exact=True)
+            resolve_for_read(url, cache_dir=local if parsed.is_s3 else None, s3=s3, exact=True)
         except LingctlError as exc:
             failure = exc
     if multi:
         failure = _first_failure(failure, process_group)  # also the barrier: nobody reads before it is checked
     if failure is not None:
         raise failure
-    marker = tier.read_marker(local)
-    if marker is None:  # removed since it was verified
-        raise VerificationError(f"{local}: incomplete checkpoint (no {tier.MARKER})")
-    reader = SafeReader(local, files=marker["files"])
+    reader = SafeReader(local, files=_marker_files(local))  # the marker may be gone since it was verified
     reader.read_metadata()  # here, so that a refusal is raised as itself rather than inside DCP's collectives
     try:
         with _quiet_single_process():
@@ -219,7 +235,12 @@ def saved_keys(directory: str | Path) -> set[str]:
     verified-safe metadata: a caller loads only what is there (an optimizer has no state for a parameter that
     never had a gradient before the save)."""
     local = Path(directory)
-    marker = tier.read_marker(local)
+    return set(SafeReader(local, files=_marker_files(local)).read_metadata().state_dict_metadata)
+
+
+def _marker_files(local: Path) -> dict[str, dict]:
+    """The files the commit marker of ``local`` lists; ``VerificationError`` when it has none."""
+    marker = read_marker(local)
     if marker is None:
-        raise VerificationError(f"{local}: incomplete checkpoint (no {tier.MARKER})")
-    return set(SafeReader(local, files=marker["files"]).read_metadata().state_dict_metadata)
+        raise VerificationError(f"{local}: incomplete checkpoint (no {MARKER})")
+    return marker["files"]

@@ -36,7 +36,7 @@ from torch.futures import Future
 from lingctl.core.checksum import crc64_bytes
 from lingctl.core.errors import LingctlError, VerificationError, os_error
 from lingctl.core.names import check_relative, printable
-from lingctl.pcache.tier_status import MARKER, METADATA
+from lingctl.pcache.marker import MARKER, METADATA
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 

@@ -30,80 +30,18 @@ from typing import Any
 
 from lingctl.core.atomic import TMP_MARKER, atomic_write
 from lingctl.core.cache import cache_root
-from lingctl.core.errors import LingctlError, NotFoundError, UsageError, VerificationError, os_error
-from lingctl.core.names import UnsafeNameError, check_relative, printable
+from lingctl.core.errors import LingctlError, NotFoundError, VerificationError, os_error
 from lingctl.core.private_dir import ensure_private_dir
 from lingctl.core.storage import ObjectStore, S3Options, open_store, parse_url
+from lingctl.pcache.marker import MARKER, is_data_file, parse_marker, read_marker
 
 log = logging.getLogger(__name__)
 
-MARKER = "pcache.json"
-METADATA = ".metadata"
-FORMAT = "lingctl-pcache"
 STATE_DIR = ".pcache"  # where older releases kept progress, beside the checkpoint; read for compatibility
 # The state directory may be readable by others (it names checkpoints), never writable: see ensure_state_dir.
 _WRITE_BY_OTHERS = 0o022
 STATES = ("incomplete", "local-only", "uploading", "durable", "upload-failed", "unreadable")
-_DAMAGED = "the checkpoint is damaged; fetch it again or pick another step"
 MAX_DEPTH = 3  # how far below the given path checkpoints are looked for: <root>/<run>/<step>/... is typical
-
-
-# -- the marker ---------------------------------------------------------------------------------------------
-
-
-def check_file_name(name: object, where: str) -> str:
-    """``name`` when it can be a file of a checkpoint directory (one plain segment), else ``UnsafeNameError``."""
-    checked = check_relative(name, what=where)
-    if "/" in checked:
-        raise UnsafeNameError(f"{where}: {printable(checked)!r} is not a file of the checkpoint directory itself")
-    return checked
-
-
-def check_files(files: object, where: str) -> dict[str, dict]:
-    """``files`` of a marker or sidecar (name -> {"size": int, "crc64nvme": str}) after checking every entry."""
-    if not isinstance(files, dict):
-        raise VerificationError(f"{where}: 'files' is not an object", hint=_DAMAGED)
-    for name, entry in files.items():
-        check_file_name(name, f"{where}: file")
-        size = entry.get("size") if isinstance(entry, dict) else None
-        crc = entry.get("crc64nvme") if isinstance(entry, dict) else None
-        if type(size) is not int or size < 0 or not (crc is None or isinstance(crc, str)):
-            raise VerificationError(
-                f"{where}: the entry of {printable(name)!r} is not {{size, crc64nvme}}", hint=_DAMAGED
-            )
-    return files
-
-
-def parse_marker(data: bytes, where: str) -> dict[str, Any]:
-    """The marker in ``data`` after checking its shape and every file name in it (``where`` names it in
-    errors): ``VerificationError`` for a damaged one, ``UnsafeNameError`` for a name that could leave the
-    directory, ``UsageError`` for a newer format version."""
-    try:
-        marker = json.loads(data)
-    except (ValueError, RecursionError):
-        marker = None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        raise VerificationError(f"{where} is not a valid {FORMAT} marker", hint=_DAMAGED)
-    version = marker.get("version", 1)
-    if type(version) is not int or version > 1:
-        raise UsageError(
-            f"{where} has marker version {printable(repr(version))[:40]}, newer than this lingctl reads (1)",
-            hint="upgrade lingctl",
-        )
-    check_files(marker.get("files"), where)
-    return marker
-
-
-def read_marker(local_dir: Path) -> dict[str, Any] | None:
-    """The commit marker of ``local_dir``, or None when it has none (an unfinished save)."""
-    path = Path(local_dir) / MARKER
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise LingctlError(f"{path}: {exc.strerror or exc}") from exc
-    return parse_marker(data, str(path))
 
 
 # -- recorded progress --------------------------------------------------------------------------------------
@@ -235,7 +173,7 @@ class CheckpointStatus:
 def is_checkpoint(directory: Path) -> bool:
     try:
         with os.scandir(directory) as it:
-            return any(e.name == MARKER or (e.name.startswith("__") and e.name.endswith(".distcp")) for e in it)
+            return any(e.name == MARKER or is_data_file(e.name) for e in it)
     except OSError:
         return False
 
@@ -329,46 +267,72 @@ def checkpoint_status(
     except LingctlError as exc:  # damaged, unsafe, newer or unreadable: say so, go on with the others
         marker, unreadable = None, True
         st.problems.append(str(exc))
-    # "ok" / "bad": the remote has a marker whose files match / do not; "absent": no marker there;
-    # "unreachable": the remote could not be asked; None: no remote known.
     remote_state = None
     if remote is not None:
         recs = [r for r in recs if r.get("remote") == remote]  # uploads elsewhere say nothing about this one
-        try:
-            store = open_store(remote, s3)
-            sizes = remote_sizes(store)
-            st.uploaded_bytes = sum(size for n, size in local.items() if sizes.get(n) == size)
-            remote_state = "absent"
-            if MARKER in sizes:
-                files = parse_marker(store.read(MARKER), f"{remote}/{MARKER}")["files"]
-                bad = remote_problems(store, files, sizes)
-                if marker is not None and marker["files"] != files:
-                    bad.insert(0, f"the remote {MARKER} is not this checkpoint's")
-                st.problems += bad
-                remote_state = "bad" if bad else "ok"
-        except VerificationError as exc:  # a damaged or hostile remote marker: the remote copy is bad
-            remote_state = "bad"
-            st.problems.append(str(exc))
-        except LingctlError as exc:
-            remote_state = "unreachable"
-            st.problems.append(f"remote not checked: {exc}")
+        remote_state = _remote_state(st, remote, s3, local, marker)
+    st.state = _decide(st, recs, remote_state, unreadable=unreadable, complete=marker is not None)
+    return st
+
+
+def _remote_state(
+    st: CheckpointStatus, remote: str, s3: S3Options | None, local: dict[str, int], marker: dict[str, Any] | None
+) -> str:
+    """What the remote holds of the checkpoint: "ok" / "bad" (a marker whose files match / do not), "absent"
+    (no marker there), "unreachable" (it could not be asked). Sets ``st.uploaded_bytes``; adds problems."""
+    try:
+        store = open_store(remote, s3)
+        sizes = remote_sizes(store)
+        st.uploaded_bytes = sum(size for n, size in local.items() if sizes.get(n) == size)
+        if MARKER not in sizes:
+            return "absent"
+        files = parse_marker(store.read(MARKER), f"{remote}/{MARKER}")["files"]
+        bad = remote_problems(store, files, sizes)
+        if marker is not None and marker["files"] != files:
+            bad.insert(0, f"the remote {MARKER} is not this checkpoint's")
+        st.problems += bad
+        return "bad" if bad else "ok"
+    except VerificationError as exc:  # a damaged or hostile remote marker: the remote copy is bad
+        st.problems.append(str(exc))
+        return "bad"
+    except LingctlError as exc:
+        st.problems.append(f"remote not checked: {exc}")
+        return "unreachable"
+
+
+def _decide(
+    st: CheckpointStatus, recs: list[dict[str, Any]], remote_state: str | None, *, unreadable: bool, complete: bool
+) -> str:
+    """The state, in the order of the module docstring (``remote_state`` None: no remote known); adds the
+    problems that explain a failed upload."""
     phases = {r.get("phase") for r in recs}
     failed = [r for r in recs if r.get("phase") == "failed"]
     dead = [r for r in recs if r.get("phase") == "uploading" and not _alive(r)]
     if remote_state == "ok" or (remote_state == "unreachable" and phases == {"durable"}):
-        st.state = "durable"
-    elif failed or dead:
-        st.state = "upload-failed"
+        return "durable"
+    if failed or dead:
         st.problems += [f"upload failed: {r.get('error')}" for r in failed]
         st.problems += [f"upload stopped before finishing (process {r.get('pid')} is gone)" for r in dead]
-    elif phases & {"uploading", "uploaded"}:
-        st.state = "uploading"
-    elif remote_state == "bad" or (remote_state == "absent" and "durable" in phases):
-        st.state = "upload-failed"
+        return "upload-failed"
+    if phases & {"uploading", "uploaded"}:
+        return "uploading"
+    if remote_state == "bad" or (remote_state == "absent" and "durable" in phases):
         if remote_state == "absent":
             st.problems.append(f"an upload finished, but the remote has no {MARKER} now")
-    elif unreadable:
-        st.state = "unreadable"
-    elif marker is None:
-        st.state = "incomplete"
-    return st
+        return "upload-failed"
+    if unreadable:
+        return "unreadable"
+    return "local-only" if complete else "incomplete"
+
+
+def raise_for_failed(rows: list[CheckpointStatus]) -> None:
+    """One error for the checkpoints whose upload failed (``lingctl pcache status`` exits 1 with it), naming
+    the first and the command that finishes it."""
+    failed = [r for r in rows if r.state == "upload-failed"]
+    if failed:
+        first = failed[0]
+        why = f": {first.problems[0]}" if first.problems else ""
+        raise LingctlError(
+            f"{len(failed)} checkpoint upload(s) failed; first: {first.name}{why}",
+            hint=f"lingctl pcache upload {first.local_dir} --to {first.remote or 'URL'}",
+        )

@@ -31,7 +31,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -40,21 +40,15 @@ from torch.futures import Future
 from lingctl.core.atomic import atomic_write
 from lingctl.core.checksum import Crc64, crc64_file
 from lingctl.core.errors import UsageError
+from lingctl.pcache.marker import DATA_SUFFIX, MARKER, METADATA, RANK_PREFIX, data_prefix, marker_bytes, sidecar_name
 from lingctl.pcache.save_planner import item_bytes
 from lingctl.pcache.throttle import NodeThrottle, Throttles
 
 log = logging.getLogger(__name__)
 
-MARKER = "pcache.json"
-METADATA = ".metadata"
-FORMAT = "lingctl-pcache"
 DEFAULT_BUFFER_BYTES = 64 << 20
 _THROTTLE_GRAIN = 1 << 20  # emulated bandwidth is charged per MiB, not per small pickle write
 _FILE_KEY = "\0pcache-file:"
-
-
-def sidecar_name(rank: int) -> str:
-    return f"__{rank}.pcache.json"
 
 
 class _Sink(io.RawIOBase):
@@ -174,12 +168,12 @@ class PCacheWriter(FileSystemWriter):
         # clear what a failed earlier attempt at this directory left (its files would not be in the new
         # metadata, but they would be uploaded and counted).
         for entry in self.directory.iterdir():
-            if entry.is_file() and (entry.name.startswith("__") or entry.name.startswith(METADATA)):
+            if entry.is_file() and (entry.name.startswith(RANK_PREFIX) or entry.name.startswith(METADATA)):
                 entry.unlink(missing_ok=True)
         return [
             p
             if p.storage_data is not None
-            else SavePlan(p.items, storage_data=_StoragePrefix(f"__{i}_"), planner_data=p.planner_data)
+            else SavePlan(p.items, storage_data=_StoragePrefix(data_prefix(i)), planner_data=p.planner_data)
             for i, p in enumerate(plans)
         ]
 
@@ -191,7 +185,7 @@ class PCacheWriter(FileSystemWriter):
         results: list[WriteResult] = []
         files: dict[str, dict[str, Any]] = {}
         if plan.items:
-            name = f"{prefix.prefix}0{DEFAULT_SUFFIX}"
+            name = f"{prefix.prefix}0{DATA_SUFFIX}"
             with open(self.directory / name, "wb", buffering=1 << 20) as f:
                 sink = _Sink(f, self.throttle)
                 # Small non-tensor values first, then tensors largest first (the order DCP's writer uses).
@@ -252,13 +246,6 @@ class PCacheWriter(FileSystemWriter):
         super().finish(metadata, data_results)  # .metadata via temp + rename
         meta = self.directory / METADATA
         files[METADATA] = {"size": meta.stat().st_size, "crc64nvme": crc64_file(meta).tagged()}
-        marker = {
-            "format": FORMAT,
-            "version": 1,
-            "world_size": len(results),
-            "created_unix": time.time(),
-            "files": dict(sorted(files.items())),
-            **(self.extra() if callable(self.extra) else self.extra),
-        }
+        extra = self.extra() if callable(self.extra) else self.extra
         with atomic_write(self.directory / MARKER) as (_, f):
-            f.write((json.dumps(marker, indent=1) + "\n").encode())
+            f.write(marker_bytes(len(results), files, extra))

@@ -18,16 +18,11 @@ exceeds ``OUTLIER_RATIO`` times the median of the other ranks, and by a signific
 ``MIN_GAP_S`` and ``MIN_GAP_SHARE`` of the median step time (the same margin a majority of late arrivals must
 amount to).
 
-Live ranks are read from their rings (fresh state). A process killed with SIGKILL leaves its ring behind until
-the next tracer collects it: that ring still says what the process was inside when it stopped (a forward, a
-collective), so it is read as the live ones are, with its last heartbeat standing for "now". Ranks that
-finished, or whose ring is gone, are read from their logs, which hold only completed calls: for them "started"
-is their last completed collective, and where they were can only be their last *finished* call.
+Each rank is read by ``rank_data.py``: from its live ring, the ring a killed process left, or its log.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -37,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.errors import NotFoundError
-from lingctl.timer.attach import ask_for_stacks, describe_inside, find_ring, header_facts
-from lingctl.timer.ring import Header, Kind, Op, Record, RingReader, pid_alive
+from lingctl.timer.attach import ask_for_stacks, describe_inside, header_facts
+from lingctl.timer.rank_data import GroupSeq, RankData, load_dir, load_pids
+from lingctl.timer.ring import Kind, Op, Record
 from lingctl.timer.steps import COMPUTE, breakdown, kind_name, op_name
 
 OUTLIER_RATIO = 1.5
@@ -49,41 +44,6 @@ MAJORITY = 0.6  # share of collectives a rank must arrive last at to be called t
 MIN_COLLECTIVES = 3
 TIE_NS = 10_000  # arrivals closer than this are a tie: nobody was last
 P2P_OPS = (Op.SEND, Op.RECV)
-
-
-@dataclass(slots=True)
-class GroupSeq:
-    """One rank's position in one process group."""
-
-    started_seq: int
-    completed_seq: int
-    in_flight: bool
-    started_ns: int  # monotonic clock of that rank
-    last_op: int
-    size: int = 0
-
-
-@dataclass(slots=True)
-class RankData:
-    """Everything the analysis needs from one rank, whether read from a live ring or from its log."""
-
-    rank: int
-    pid: int | None
-    world: int
-    records: list[Record]
-    group_names: dict[int, str]  # header index -> group name
-    groups: dict[str, GroupSeq]  # by name
-    mono_anchor_ns: int
-    wall_anchor_ns: int
-    source: str = "ring"  # "ring" (live) or "log"
-    alive: bool = True
-    hostname: str | None = None
-    header: Header | None = None
-    ring: Path | None = None
-    stopped_ns: int | None = None  # a dead process's ring: its last heartbeat (its clock's "now" when it stopped)
-
-    def to_wall_ns(self, mono_ns: int) -> int:
-        return mono_ns - self.mono_anchor_ns + self.wall_anchor_ns
 
 
 @dataclass(slots=True)
@@ -149,7 +109,7 @@ def format_ranks(items: Any) -> str:
     return ", ".join(str(r) for r in sorted(items))
 
 
-# -- loading -----------------------------------------------------------------------------------------------
+# -- entry -------------------------------------------------------------------------------------------------
 def diagnose(
     out_dir: Path | None = None,
     pids: list[int] | None = None,
@@ -175,133 +135,6 @@ def diagnose(
     )
 
 
-def from_ring(path: Path, *, hostname: str | None = None, owner: int | None = None) -> RankData:
-    """A live rank from its ring (``owner``: the ring's user, default us)."""
-    reader = RingReader(path, owner=owner)
-    try:
-        h = reader.header()
-        records, _ = reader.records(0)
-    finally:
-        reader.close()
-    groups = {
-        g.name: GroupSeq(g.started_seq, g.completed_seq, g.in_flight, g.started_ns, g.last_op, g.size) for g in h.groups
-    }
-    return RankData(
-        rank=h.rank,
-        pid=h.pid,
-        world=h.world,
-        records=records,
-        group_names={g.index: g.name for g in h.groups},
-        groups=groups,
-        mono_anchor_ns=h.mono_anchor_ns,
-        wall_anchor_ns=h.wall_anchor_ns,
-        source="ring",
-        alive=True,
-        hostname=hostname,
-        header=h,
-        ring=Path(path),
-    )
-
-
-def from_log(meta: dict, records: list[Record]) -> RankData:
-    names = {int(index): name for name, index in (meta.get("groups") or {}).items()}
-    groups: dict[str, GroupSeq] = {}
-    for r in records:
-        if r.kind in (Kind.COLLECTIVE, Kind.P2P):
-            name = names.get(r.group, str(r.group))
-            g = groups.get(name)
-            if g is None or r.seq > g.completed_seq:
-                groups[name] = GroupSeq(r.seq, r.seq, False, r.start_ns, r.op)
-    pid = meta.get("pid")
-    local = meta.get("hostname") in (None, socket.gethostname())
-    return RankData(
-        rank=int(meta.get("rank", 0)),
-        pid=pid,
-        world=int(meta.get("world", 1)),
-        records=records,
-        group_names=names,
-        groups=groups,
-        mono_anchor_ns=int(meta.get("mono_anchor_ns", 0)),
-        wall_anchor_ns=int(meta.get("wall_anchor_ns", 0)),
-        source="log",
-        alive=local and pid is not None and pid_alive(int(pid)),
-        hostname=meta.get("hostname"),
-    )
-
-
-def load_dir(out_dir: Path, notes: list[str] | None = None) -> list[RankData]:
-    """Every rank of a trace directory: the live ring where its process still runs on this host, else its log.
-    A meta file the tracer did not write is skipped, with a line in ``notes`` (``logs.usable_runs``)."""
-    from lingctl.timer import logs
-
-    out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        raise NotFoundError(f"{out_dir}: no such directory")
-    runs, skipped = logs.usable_runs(out_dir)
-    if notes is not None:
-        notes.extend(f"skipped {line}" for line in skipped)
-    host = socket.gethostname()
-    out = []
-    for meta in runs:
-        data = _from_left_ring(meta, host) if meta.get("hostname", host) == host else None
-        out.append(data if data is not None else from_log(meta, read_records(meta)))
-    return out
-
-
-def _from_left_ring(meta: dict, host: str) -> RankData | None:
-    """The ring of the process a meta file describes, if it is still there: the process runs, or was killed
-    before it could remove it. Looked up by pid in the ring directory (never at a path the meta file names)
-    and taken only if its clock anchors are the meta file's: a later process with the same pid is not it."""
-    pid = meta.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return None
-    try:
-        owner = os.stat(meta["meta_path"]).st_uid  # the traced process's user: its ring is in that user's dir
-        ring = find_ring(pid, uid=owner)
-        if ring is None:
-            return None
-        data = from_ring(ring, hostname=host, owner=os.lstat(ring).st_uid)
-    except (OSError, ValueError, KeyError):
-        return None  # gone since: its log has the rest
-    h = data.header
-    assert h is not None
-    if (h.mono_anchor_ns, h.wall_anchor_ns) != (meta.get("mono_anchor_ns"), meta.get("wall_anchor_ns")):
-        return None
-    data.alive = pid_alive(pid, h.create_time)
-    if not data.alive:
-        data.stopped_ns = h.heartbeat_ns
-    return data
-
-
-def read_records(meta: dict) -> list[Record]:
-    """The records of one run's log (none when the process never flushed one)."""
-    from lingctl.timer import logs
-
-    path = Path(meta.get("log_path") or "")
-    return logs.read_log(path) if path.name and path.is_file() else []
-
-
-def load_pids(pids: list[int]) -> list[RankData]:
-    import psutil
-
-    from lingctl.timer.attach import open_process
-
-    out = []
-    for pid in pids:
-        proc = open_process(pid)
-        ring = find_ring(pid, proc.create_time(), proc.uids().real)
-        if ring is None:
-            raise NotFoundError(
-                f"process {pid} is not traced (no trace ring)",
-                hint="start it under `lingctl timer run` or call lingctl.timer.install()",
-            )
-        try:
-            out.append(from_ring(ring, hostname=socket.gethostname()))
-        except (OSError, ValueError, psutil.Error) as err:
-            raise NotFoundError(f"process {pid}: cannot read its trace ring ({err})") from None
-    return out
-
-
 # -- analysis ----------------------------------------------------------------------------------------------
 def analyse(
     ranks: list[RankData],
@@ -319,50 +152,50 @@ def analyse(
     notes = list(notes or [])
     ranks = _one_per_rank(ranks, notes)
     world = max([r.world for r in ranks] + [len(ranks)])
+    _note_missing(ranks, world, notes)
+    groups = _group_reports(ranks, now, world)
+    waits = [(w, g) for g in groups for w in g.waiting.values()]
+    longest: tuple[float, GroupReport | None] = max(waits, default=(0.0, None), key=lambda x: x[0])
+    stats = {r.rank: breakdown(r.records, last_steps) for r in ranks}
+    reports = [_rank_report(r, stats[r.rank], now) for r in ranks]
+    hung = longest[0] >= hang_after_s
+    if hung and stacks:
+        behind = sorted({k for g in groups for k in g.never_arrived if g.waiting})
+        _attach_stacks([r for r in ranks if r.rank in behind], reports)
+    slow = _slowdown(ranks, stats, last_collectives)
+    if hung:
+        assert longest[1] is not None
+        verdict, summary = "hang", _hang_summary(longest[1], longest[0], reports)
+    elif slow.straggler is not None:
+        verdict, summary = "straggler", _straggler_summary(slow.straggler, slow.compared)
+    else:
+        verdict, summary = "ok", _ok_summary(longest, hang_after_s)
+        if slow.compared < MIN_COLLECTIVES:
+            notes.append(f"only {slow.compared} collective(s) common to all ranks: too few to compare arrivals")
+    _note_ended(ranks, groups, notes)
+    return Diagnosis(
+        verdict=verdict,
+        summary=summary,
+        hang_after_s=hang_after_s,
+        ranks=reports,
+        groups=groups,
+        straggler=slow.straggler,
+        collectives_compared=slow.compared,
+        last_arrivals=slow.last,
+        mean_lateness_s=slow.lateness,
+        notes=notes,
+    )
+
+
+def _note_missing(ranks: list[RankData], world: int, notes: list[str]) -> None:
     missing = sorted(set(range(world)) - {r.rank for r in ranks})
     if missing:
         listed = format_ranks(missing[:16]) + (f", ... ({len(missing)} in all)" if len(missing) > 16 else "")
         notes.append(f"no trace for rank(s) {listed} of {world}: they are not in the analysis")
 
-    groups = _group_reports(ranks, now, world)
-    waits = [(w, g) for g in groups for w in g.waiting.values()]
-    longest = max(waits, default=(0.0, None), key=lambda x: x[0])
-    hung = longest[0] >= hang_after_s
-    stats = {r.rank: breakdown(r.records, last_steps) for r in ranks}
-    reports = [_rank_report(r, stats[r.rank], now) for r in ranks]
 
-    if hung:
-        behind = sorted({k for g in groups for k in g.never_arrived if g.waiting})
-        if stacks:
-            _attach_stacks([r for r in ranks if r.rank in behind], reports)
-    compared, last, lateness, straggler = _slowdown(ranks, stats, last_collectives)
-
-    if hung:
-        g = longest[1]
-        assert g is not None
-        verdict = "hang"
-        summary = f"rank(s) {format_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to {longest[0]:.1f} s; "
-        if g.never_arrived:
-            where = "; ".join(f"rank {r.rank} {r.where}" for r in reports if r.rank in g.never_arrived)
-            summary += f"never arrived: {where}"
-        else:
-            summary += "every member is inside it: the collective itself is stuck (network, or mismatched calls)"
-        if g.mismatched_ops:
-            summary += "; members are in different collectives at this sequence number: " + ", ".join(
-                f"rank {k} {v}" for k, v in sorted(g.mismatched_ops.items())
-            )
-    elif straggler is not None:
-        verdict = "straggler"
-        summary = f"rank {straggler.rank} is the straggler ({straggler.category})"
-        if straggler.last_arrival_share:
-            summary += f": last to arrive at {straggler.last_arrival_share:.0%} of the last {compared} collectives"
-    else:
-        verdict = "ok"
-        summary = "no hang and no straggler"
-        if longest[1] is not None and longest[0] > 0:
-            summary += f" (longest wait in a collective {longest[0]:.1f} s, threshold {hang_after_s:g} s)"
-        if compared < MIN_COLLECTIVES:
-            notes.append(f"only {compared} collective(s) common to all ranks: too few to compare arrivals")
+def _note_ended(ranks: list[RankData], groups: list[GroupReport], notes: list[str]) -> None:
+    """Ranks read from logs that stopped before a collective others reached: a hang the job ended in."""
     for g in groups:
         ended = [r.rank for r in ranks if r.rank in g.never_arrived and r.source == "log"]
         if ended and not g.waiting:
@@ -371,18 +204,36 @@ def analyse(
                 "ranks completed or started (logs hold finished calls only: a hang the job ended in "
                 "shows as this)"
             )
-    return Diagnosis(
-        verdict=verdict,
-        summary=summary,
-        hang_after_s=hang_after_s,
-        ranks=reports,
-        groups=groups,
-        straggler=straggler,
-        collectives_compared=compared,
-        last_arrivals=last,
-        mean_lateness_s=lateness,
-        notes=notes,
+
+
+def _hang_summary(g: GroupReport, waited_s: float, reports: list[RankReport]) -> str:
+    summary = (
+        f"rank(s) {format_ranks(g.waiting)} waiting in {g.op} #{g.seq} of group {g.group} for up to {waited_s:.1f} s; "
     )
+    if g.never_arrived:
+        where = "; ".join(f"rank {r.rank} {r.where}" for r in reports if r.rank in g.never_arrived)
+        summary += f"never arrived: {where}"
+    else:
+        summary += "every member is inside it: the collective itself is stuck (network, or mismatched calls)"
+    if g.mismatched_ops:
+        summary += "; members are in different collectives at this sequence number: " + ", ".join(
+            f"rank {k} {v}" for k, v in sorted(g.mismatched_ops.items())
+        )
+    return summary
+
+
+def _straggler_summary(straggler: Straggler, compared: int) -> str:
+    summary = f"rank {straggler.rank} is the straggler ({straggler.category})"
+    if straggler.last_arrival_share:
+        summary += f": last to arrive at {straggler.last_arrival_share:.0%} of the last {compared} collectives"
+    return summary
+
+
+def _ok_summary(longest: tuple[float, GroupReport | None], hang_after_s: float) -> str:
+    summary = "no hang and no straggler"
+    if longest[1] is not None and longest[0] > 0:
+        summary += f" (longest wait in a collective {longest[0]:.1f} s, threshold {hang_after_s:g} s)"
+    return summary
 
 
 def _one_per_rank(ranks: list[RankData], notes: list[str]) -> list[RankData]:
@@ -493,11 +344,19 @@ def _attach_stacks(ranks: list[RankData], reports: list[RankReport]) -> None:
             rep.stacks, rep.stacks_note = found[rep.rank]
 
 
-def _slowdown(
-    ranks: list[RankData], stats: dict[int, Any], last_n: int
-) -> tuple[int, dict[int, int], dict[int, float], Straggler | None]:
+@dataclass(slots=True)
+class _Slowdown:
+    """What comparing the ranks' arrivals at their last common collectives found."""
+
+    compared: int  # collectives compared
+    last: dict[int, int]  # rank -> collectives it arrived last at
+    lateness: dict[int, float]  # rank -> mean start behind the median of the other ranks, seconds
+    straggler: Straggler | None
+
+
+def _slowdown(ranks: list[RankData], stats: dict[int, Any], last_n: int) -> _Slowdown:
     if len(ranks) < 2:
-        return 0, {}, {}, None
+        return _Slowdown(0, {}, {}, None)
     calls: dict[int, dict[tuple[str, int], Record]] = {}
     for r in ranks:
         calls[r.rank] = {
@@ -516,10 +375,19 @@ def _slowdown(
         for rank, s in starts.items():
             late[rank].append((s - statistics.median(v for q, v in starts.items() if q != rank)) / 1e9)
     lateness = {r: statistics.fmean(v) if v else 0.0 for r, v in late.items()}
-    n = len(keys)
     step_means = [s.step_time.mean for s in stats.values() if s.steps]
     gap = max(MIN_GAP_S, MIN_GAP_SHARE * statistics.median(step_means)) if step_means else MIN_GAP_S
-    evidence = {
+    evidence = _evidence(stats, calls, keys)
+    straggler = _straggler(len(keys), last, lateness, evidence, gap)
+    return _Slowdown(len(keys), dict(last), lateness, straggler)
+
+
+def _evidence(
+    stats: dict[int, Any], calls: dict[int, dict[tuple[str, int], Record]], keys: list[tuple[str, int]]
+) -> dict[str, dict[int, float]]:
+    """Per metric, each rank's mean seconds: per step for data, compute, other and the step; per compared
+    collective for collective time."""
+    return {
         "data": {r: s.parts["data"].mean if "data" in s.parts else 0.0 for r, s in stats.items()},
         "compute": {r: sum(s.parts[c].mean for c in COMPUTE if c in s.parts) for r, s in stats.items()},
         "other": {r: s.parts["other"].mean if "other" in s.parts else 0.0 for r, s in stats.items()},
@@ -528,24 +396,28 @@ def _slowdown(
         },
         "step": {r: s.step_time.mean for r, s in stats.items()},
     }
-    straggler = None
+
+
+def _straggler(
+    n: int, last: Counter[int], lateness: dict[int, float], evidence: dict[str, dict[int, float]], gap: float
+) -> Straggler | None:
+    """The rank that arrives last at a clear majority of the ``n`` collectives; without one, the one rank
+    whose data, compute, other or collective time is an outlier."""
     leader, count = last.most_common(1)[0] if last else (None, 0)
     if n >= MIN_COLLECTIVES and leader is not None and count / n >= MAJORITY and lateness[leader] >= gap:
-        straggler = Straggler(leader, _category(leader, evidence, gap), count / n, evidence)
-    else:
-        for metric, category in (
-            ("data", "data"),
-            ("compute", "compute"),
-            ("other", "other"),
-            ("collective", "communication"),
-        ):
-            if metric == "collective" and n < MIN_COLLECTIVES:
-                continue
-            outliers = [r for r in evidence[metric] if _outlier(evidence[metric], r, gap)]
-            if len(outliers) == 1:
-                straggler = Straggler(outliers[0], category, last.get(outliers[0], 0) / n if n else 0.0, evidence)
-                break
-    return n, dict(last), lateness, straggler
+        return Straggler(leader, _category(leader, evidence, gap), count / n, evidence)
+    for metric, category in (
+        ("data", "data"),
+        ("compute", "compute"),
+        ("other", "other"),
+        ("collective", "communication"),
+    ):
+        if metric == "collective" and n < MIN_COLLECTIVES:
+            continue
+        outliers = [r for r in evidence[metric] if _outlier(evidence[metric], r, gap)]
+        if len(outliers) == 1:
+            return Straggler(outliers[0], category, last.get(outliers[0], 0) / n if n else 0.0, evidence)
+    return None
 
 
 def _category(rank: int, evidence: dict[str, dict[int, float]], gap: float) -> str:

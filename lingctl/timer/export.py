@@ -15,7 +15,7 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import NotFoundError
-from lingctl.timer.diagnose import read_records
+from lingctl.timer.rank_data import read_records
 from lingctl.timer.ring import Kind, Record
 from lingctl.timer.steps import kind_name, op_name
 

@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lingctl.core.errors import LingctlError, NotFoundError
@@ -48,6 +50,20 @@ def run_traced(cmd: list[str], *, out: Path, targets: str | None) -> int:
         raise NotFoundError(f"command not found: {cmd[0]}") from None
     except PermissionError:
         raise LingctlError(f"cannot execute {cmd[0]}: permission denied") from None
+    try:
+        with _forwarding_signals(proc):
+            rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return 128 - rc if rc < 0 else rc
+
+
+@contextmanager
+def _forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
+    """SIGINT and SIGTERM go on to ``proc`` while inside (off the main thread, where handlers cannot be set,
+    nothing is forwarded); the previous handlers come back after."""
 
     def forward(signum, frame):
         if signum == signal.SIGINT and _terminal_foreground():
@@ -64,14 +80,10 @@ def run_traced(cmd: list[str], *, out: Path, targets: str | None) -> int:
                 previous[sig] = signal.signal(sig, forward)
             except ValueError:  # not the main thread: no forwarding
                 pass
-        rc = proc.wait()
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return 128 - rc if rc < 0 else rc
 
 
 def _terminal_foreground() -> bool:

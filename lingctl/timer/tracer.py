@@ -5,7 +5,8 @@ optimizer step, data loading, outermost forward, backward, host-device copies), 
 fixed pool of CUDA events), and leave the rest to a background thread (heartbeat, compressed log, metadata).
 A wrapper costs two clock reads and three to five ``struct.pack_into`` into the ring (the record, what the
 main thread is inside, the group's progress): about 3 us around a no-op call, 7-9 us measured around real
-calls on a small 2-core VM (``bench/timer_overhead.py``). The wrappers themselves live in ``targets.py``.
+calls on a small 2-core VM (``bench/timer_overhead.py``). The wrappers themselves live in ``targets.py``; what
+they share with the tracer (the writer, the step, the "inside now" stack) in ``trace_state.py``.
 
 Per traced call one ring record (``ring.py``): ``seq`` is the collective's sequence number in its group for
 COLLECTIVE and P2P (counted here from 0; every rank calls collectives in the same order, so the numbers line up
@@ -36,17 +37,15 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import IO
 
 from lingctl.core.errors import LingctlError, os_error
 from lingctl.core.private_dir import create_exclusive
+from lingctl.timer.gpu_timer import GpuTimer
 from lingctl.timer.ring import (
     HEADER_SIZE,
-    NO_GROUP,
     RECORD_SIZE,
-    Kind,
     RingReader,
     RingWriter,
     collect_stale,
@@ -57,15 +56,14 @@ from lingctl.timer.ring import (
     ring_path,
 )
 from lingctl.timer.stacks import STACKS_SIGNAL, dump_stacks
-from lingctl.timer.targets import TargetsMixin
+from lingctl.timer.targets import Targets
+from lingctl.timer.trace_state import TraceState
 
 log = logging.getLogger("lingctl.timer")
 
 DEFAULT_TARGETS = ("collectives", "p2p", "optimizer", "data", "forward", "backward", "copy")
 
 _now = time.monotonic_ns
-_get_ident = threading.get_ident
-_OTHER_THREAD = object()  # what _push returns off the main thread: the header shows the main thread only
 
 
 def stacks_path(pid: int) -> Path:
@@ -123,44 +121,6 @@ def collect_stale_files() -> list[Path]:
     return removed
 
 
-class _GpuTimer:
-    """GPU time of forward and backward, kept simple: a fixed pool of CUDA event pairs recorded on the current
-    stream around the call, polled with ``query()`` (never a synchronize) by the background thread. Spans are
-    not timed before the program has initialised CUDA, while a CUDA graph is captured, or when all pairs are
-    in flight."""
-
-    def __init__(self, cuda, size: int = 64) -> None:
-        self.cuda, self.size = cuda, size
-        self.free: list | None = None
-        self.pending: deque = deque()
-
-    def begin(self):
-        cuda = self.cuda
-        if not cuda.is_initialized() or cuda.is_current_stream_capturing():
-            return None
-        if self.free is None:
-            self.free = [(cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)) for _ in range(self.size)]
-        if not self.free:
-            return None
-        pair = self.free.pop()
-        pair[0].record()
-        return pair
-
-    def end(self, pair, kind: int, seq: int, start_ns: int) -> None:
-        pair[1].record()
-        self.pending.append((pair, kind, seq, start_ns))
-
-    def poll(self, writer: RingWriter) -> None:
-        free = self.free
-        if free is None:  # nothing timed yet: begin() creates the events
-            return
-        while self.pending and self.pending[0][0][1].query():
-            (a, b), kind, seq, start_ns = self.pending.popleft()
-            gpu_ns = int(a.elapsed_time(b) * 1e6)
-            free.append((a, b))
-            writer.append(Kind.GPU, 0, NO_GROUP, seq, start_ns, start_ns + gpu_ns, kind)
-
-
 class _AfterImport:
     """A one-shot meta path finder: run ``callback`` right after ``torch`` has been imported, so that installing
     the tracer in every process (``timer run``) does not import torch into processes that never use it."""
@@ -195,45 +155,21 @@ class _AfterImport:
             sys.meta_path.remove(self)
 
 
-class Tracer(TargetsMixin):
-    """The installed tracer (one per process; see ``install``)."""
-
-    writer: RingWriter  # set by _open_ring; absent only when construction failed before the ring was opened
+class Tracer(TraceState):
+    """The installed tracer (one per process; see ``install``): the shared state of ``TraceState``, plus the ring,
+    the files and the background thread."""
 
     def __init__(self, out: str | Path | None, targets: set[str], capacity: int, log_max_bytes: int) -> None:
+        super().__init__()
         self.pid = os.getpid()
         self.out = Path(out) if out is not None else None
         self.requested = targets
         self.targets: list[str] = []
         self.log_max_bytes = log_max_bytes
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.active = True
-        self.step = 0
         self.argv = " ".join(sys.argv)
-        self._main = threading.main_thread().ident
-        self._cur: tuple[int, int, int, int] | None = (
-            None  # (kind, op, group, seq) the main thread is inside, for nesting
-        )
-        self._fwd_depth = self._bwd_depth = 0
-        self._fwd_prev = self._fwd_gpu = None
-        self._fwd_start = 0
-        self._fwd_roots = None  # outermost modules seen before the first step
-        self._fwd_global: list = []
-        self._opt_pending: dict[int, tuple] = {}
-        self._first_opt = None
-        self._groups: dict[str, list[int]] = {}  # name -> [ring index, next collective seq, next p2p seq]
-        self._group_cache: dict = {}  # group object (None: default) -> the same list
-        self._rank_known = False
-        self._dist = None
-        self._gpu: _GpuTimer | None = None
-        self._patches: list[tuple] = []
-        self._handles: list = []
         self._hook: _AfterImport | None = None
         self._stop = threading.Event()
         self._files_lock = threading.Lock()
-        self._version = 1  # bumped when rank, groups or targets change; the thread rewrites the meta file
         self._meta_written = 0
         self._files_rank: int | None = None
         self._flushed = 0
@@ -296,50 +232,19 @@ class Tracer(TargetsMixin):
         self._stacks_file = os.fdopen(fd, "w")
         faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
 
-    # -- failure ----------------------------------------------------------------------------------
-    def _fail(self, exc: BaseException) -> None:
-        if not self.active:
-            return
-        self.active = False
-        try:
-            self.writer.disable()
-        except Exception:
-            pass
-        log.warning("lingctl timer: tracing disabled after an internal error: %r", exc)
-
-    # -- what the main thread is inside -----------------------------------------------------------
-    def _push(self, kind: int, op: int, group: int, seq: int, now: int | None = None):
-        if _get_ident() != self._main:
-            return _OTHER_THREAD
-        prev, self._cur = self._cur, (kind, op, group, seq)
-        self.writer.enter(kind, op, group, seq, now)
-        return prev
-
-    def _pop(self, prev) -> None:
-        if prev is _OTHER_THREAD:
-            return
-        self._cur = prev
-        if prev is None:
-            self.writer.leave()
-        else:
-            self.writer.enter(*prev)
-
     # -- patching ---------------------------------------------------------------------------------
-    def _patch(self, obj, name: str, wrapper) -> None:
-        self._patches.append((obj, name, obj.__dict__.get(name), wrapper))
-        setattr(obj, name, wrapper)
-
     def _install_targets(self) -> None:
         try:
             import torch
 
-            for name in ("collectives", "p2p", "optimizer", "data", "forward", "backward", "copy"):
-                if name in self.requested and getattr(self, f"_target_{name}")(torch) is not False:
+            targets = Targets(self)
+            for name in DEFAULT_TARGETS:
+                if name in self.requested and targets.install(name, torch):
                     self.targets.append(name)
             if self._dist is not None and self._dist.is_initialized():  # installed after init_process_group
                 self._update_rank()
             if torch.cuda.is_available() and {"forward", "backward"} & self.requested:
-                self._gpu = _GpuTimer(torch.cuda)
+                self._gpu = GpuTimer(torch.cuda)
             self._version += 1
         except Exception as exc:
             self._fail(exc)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from lingctl.commands.pcache import app
 from lingctl.core.errors import EXIT_USAGE, UsageError
-from lingctl.pcache.compare import MAX_RANKS
+from lingctl.pcache.plan import MAX_RANKS
 
 BASE = ["plan", "--nodes", "2", "--ranks-per-node", "2", "--model", "small"]
 

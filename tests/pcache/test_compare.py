@@ -16,16 +16,11 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from lingctl.core.errors import UsageError
 from lingctl.pcache.assign import split_rows
-from lingctl.pcache.compare import (
-    PlanSettings,
-    chunk_items,
-    compare,
-    dcp_writers,
-    lowest_writers,
-    plan,
-)
+from lingctl.pcache.compare import compare
 from lingctl.pcache.layout import Items, Parallelism, write_items
 from lingctl.pcache.model_tensors import load_model
+from lingctl.pcache.plan import PlanSettings, plan
+from lingctl.pcache.strategies import chunk_items, dcp_writers, lowest_writers
 from lingctl.pcache.topology import Topology
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ import torch.distributed.checkpoint as dcp
 from lingctl.core.errors import UsageError
 from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
+from lingctl.pcache.marker import MARKER, METADATA
 from lingctl.pcache.save_planner import PCacheSavePlanner
 from lingctl.pcache.throttle import NodeThrottle
-from lingctl.pcache.writer import MARKER, METADATA, PCacheWriter
+from lingctl.pcache.writer import PCacheWriter
 from tests.support.dist import run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -12,11 +12,13 @@ import typer
 from typer.testing import CliRunner
 
 from lingctl.babel.verify import verify as babel_verify
-from lingctl.commands.pcache_tier import status as status_cmd
-from lingctl.commands.pcache_tier import upload as upload_cmd
+from lingctl.commands.pcache import status as status_cmd
+from lingctl.commands.pcache import upload as upload_cmd
 from lingctl.core.errors import LingctlError, RetryableError, VerificationError
 from lingctl.core.storage import S3Options, open_store, parse_url
-from lingctl.pcache.tier import MARKER, Uploader, fetch, resolve_for_read, upload, verify_local
+from lingctl.pcache.local_copy import fetch, resolve_for_read
+from lingctl.pcache.marker import MARKER, verify_local
+from lingctl.pcache.tier import Uploader, upload
 from lingctl.pcache.tier_status import status
 from tests.pcache.tier_fixtures import flip_byte, make_checkpoint, split_node
 

@@ -14,8 +14,10 @@ from lingctl.core.errors import EXIT_VERIFY, UsageError, VerificationError
 from lingctl.core.names import UnsafeNameError
 from lingctl.core.storage import open_store
 from lingctl.pcache.checkpoint import load
-from lingctl.pcache.tier import MARKER, fetch, upload
-from lingctl.pcache.tier_status import parse_marker, status
+from lingctl.pcache.local_copy import fetch
+from lingctl.pcache.marker import MARKER, parse_marker
+from lingctl.pcache.tier import upload
+from lingctl.pcache.tier_status import status
 from tests.pcache.test_tier import cli_app
 from tests.pcache.tier_fixtures import make_checkpoint
 

@@ -12,9 +12,10 @@ import torch.distributed.checkpoint as dcp
 from lingctl.core.checksum import crc64_file
 from lingctl.core.errors import UsageError, VerificationError
 from lingctl.pcache.checkpoint import load, save
+from lingctl.pcache.marker import MARKER, METADATA, sidecar_name
 from lingctl.pcache.throttle import NodeThrottle, Throttles
 from lingctl.pcache.topology import Topology
-from lingctl.pcache.writer import MARKER, METADATA, StagingBuffer, sidecar_name
+from lingctl.pcache.writer import StagingBuffer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

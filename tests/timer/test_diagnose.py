@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lingctl.commands.timer_render import render_diagnosis
-from lingctl.timer.diagnose import GroupSeq, RankData, analyse
+from lingctl.timer.diagnose import analyse
+from lingctl.timer.rank_data import GroupSeq, RankData
 from lingctl.timer.ring import NO_GROUP, GroupState, Header, Kind, Op, Record
 from tests.timer.test_attach import start
 
