@@ -22,11 +22,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile
 
-# The quality gate CI runs before the tests: lint and formatting (ruff), types (mypy); settings in pyproject.toml.
+# The quality gate CI runs before the tests: lint, formatting and a complexity cap (ruff), types (mypy) over the
+# package, its tests and benchmarks (settings in pyproject.toml), and docs/cli.md's option tables against --help.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lingctl tests bench scripts
 	$(VENV)/bin/ruff format --check lingctl tests bench scripts
 	$(VENV)/bin/mypy
+	$(PY) scripts/cli_reference.py --check
 
 # The peers that bench/ measures against (transformers for flood, lm-evaluation-harness for flood eval); not needed to run or test lingctl.
 bench-deps: $(STAMP)

@@ -185,6 +185,17 @@ def main() -> None:
                     res = run_once(ckpt, batch, root, name, condition, args.dtype)
                     results.append(res)
                     print(json.dumps(res), file=sys.stderr, flush=True)
+    best, report = summarise(results, names, conditions, args)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    show(best, report, results, conditions, args)
+
+
+def summarise(
+    results: list[dict], names: list[str], conditions: list[str], args: argparse.Namespace
+) -> tuple[dict[tuple[str, str], float | None], dict]:
+    """The best rate of each (condition, variant) and the report with the default's ratio to one thread."""
     best: dict[tuple[str, str], float | None] = {}
     for condition in conditions:
         for name in names:
@@ -209,9 +220,16 @@ def main() -> None:
             report[f"{condition}_goal"] = (
                 f">= {goals[condition]}: {'met' if d / one >= goals[condition] else 'not met'}"
             )
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
+    return best, report
+
+
+def show(
+    best: dict[tuple[str, str], float | None],
+    report: dict,
+    results: list[dict],
+    conditions: list[str],
+    args: argparse.Namespace,
+) -> None:
     print(
         f"tiny Ling MoE, {args.requests} requests x {args.new} tokens, {args.dtype}, torch {torch.__version__}, "
         f"{report['cores']} cores; best of {args.repeats} (tok/s); per run: threads at start -> at end, "

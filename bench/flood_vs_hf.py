@@ -45,6 +45,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -53,6 +54,9 @@ from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
 from lingctl.flood.engine.sampling import SamplingParams
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 
 GiB = 1 << 30
 SEED = 0
@@ -67,7 +71,7 @@ GOAL_BS1 = 0.80  # flood batch-size-1 decode / memory-bandwidth ceiling
 
 def ling_config(kind: str, dense_width: int) -> LingConfig:
     """The tiny Ling MoE (Ling-lite's routing at hidden 256), or the same shapes with every layer dense."""
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=8192,
         hidden_size=256,
         num_hidden_layers=4,
@@ -100,12 +104,12 @@ def build_ling(config: LingConfig) -> LingForCausalLM:
     return model
 
 
-def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torch.nn.Module:
+def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> PreTrainedModel:
     """The HF model computing the same function, with every weight copied from ``ling``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     c = ling.config
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         num_hidden_layers=c.num_hidden_layers,
@@ -129,6 +133,8 @@ def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torc
         "model.norm.weight": sd["model.norm.weight"],
         "lm_head.weight": sd["lm_head.weight"],
     }
+    cfg: PreTrainedConfig
+    cls: type[PreTrainedModel]
     if kind == "moe":
         # Qwen2-MoE's qkv_bias flag lets its attention match Ling's bias-free projections exactly.
         cfg = Qwen2MoeConfig(
@@ -182,7 +188,7 @@ def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torc
         else:
             for p in ("gate_proj", "up_proj", "down_proj"):
                 out[dst + f"mlp.{p}.weight"] = sd[src + f"mlp.{p}.weight"]
-    hf = cls(cfg)
+    hf = cast("type[PreTrainedModel]", cls)(cfg)  # cfg is the config class that goes with cls
     hf.load_state_dict({k: v.clone() for k, v in out.items()}, strict=True)
     hf.eval()
     gen = hf.generation_config
@@ -192,7 +198,7 @@ def build_hf(ling: LingForCausalLM, kind: str, experts_impl: str | None) -> torc
 
 
 @torch.inference_mode()
-def logit_diff(ling: LingForCausalLM, hf: torch.nn.Module, vocab: int) -> float:
+def logit_diff(ling: LingForCausalLM, hf: PreTrainedModel, vocab: int) -> float:
     ids = torch.randint(0, vocab, (4, 96), generator=torch.Generator().manual_seed(SEED + 1))
     a = ling(ids).logits
     b = hf(input_ids=ids).logits
@@ -232,7 +238,7 @@ def workload_b(vocab: int, n: int, max_out: int) -> Workload:
 
 
 @torch.inference_mode()
-def hf_batch(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+def hf_batch(hf: PreTrainedModel, prompts: list[list[int]], new: int) -> list[list[int]]:
     """One left-padded ``generate`` call; every row runs ``new`` tokens (no EOS)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -240,7 +246,7 @@ def hf_batch(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[li
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    out = hf.generate(
+    out = cast("GenerationMixin", hf).generate(  # both HF classes built here are GenerationMixins
         input_ids=ids,
         attention_mask=mask,
         max_new_tokens=new,
@@ -252,7 +258,7 @@ def hf_batch(hf: torch.nn.Module, prompts: list[list[int]], new: int) -> list[li
     return out[:, width:].tolist()
 
 
-def run_hf(hf: torch.nn.Module, w: Workload, batch: int, *, sort: bool = False, subsample: int | None = None) -> dict:
+def run_hf(hf: PreTrainedModel, w: Workload, batch: int, *, sort: bool = False, subsample: int | None = None) -> dict:
     """Requests in batches of ``batch`` (in order, or sorted by output length), each batch run to its
     longest output and cut to each request's own length. ``subsample``: time only that many requests
     (batch size 1) and extrapolate to all."""
@@ -331,7 +337,7 @@ def agreement(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict:
     return {"sequences": len(keys), "identical": same, "prefix_agreement": agreed / max(1, total)}
 
 
-def warm_up(ling: LingForCausalLM, hf: torch.nn.Module) -> None:
+def warm_up(ling: LingForCausalLM, hf: PreTrainedModel) -> None:
     tiny = Workload("warm-up", [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]], [4, 4])
     run_hf(hf, tiny, 1)
     run_hf(hf, tiny, 2)
@@ -390,7 +396,7 @@ def flood_bs1(model: LingForCausalLM, prompt: list[int], new: int) -> dict:
     }
 
 
-def hf_bs1_decode(hf: torch.nn.Module, prompt: list[int], new: int) -> float:
+def hf_bs1_decode(hf: PreTrainedModel, prompt: list[int], new: int) -> float:
     """HF's decode tokens/s at batch size 1 for reference: (new - 1) tokens over the time past a 1-token run."""
     one = _timed(lambda: hf_batch(hf, [prompt], 1))
     full = _timed(lambda: hf_batch(hf, [prompt], new))
@@ -482,6 +488,7 @@ def bench_model(kind: str, args: argparse.Namespace, log) -> dict:
         f"  A  HF batch size 1   {hf_one['seconds']:7.2f} s  {hf_one['tokens_per_s']:8.1f} tok/s"
         + (f"  (timed on {args.bs1_sample} requests, extrapolated)" if args.bs1_sample else "")
     )
+    assert hf_pad is not None and fl is not None  # args.rounds >= 1
     res["A"] = {
         "requests": len(a.prompts),
         "new_tokens": args.new_tokens,

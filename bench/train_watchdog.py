@@ -119,10 +119,10 @@ def observer_cost(n: int = 2000) -> float:
     import torch
 
     from lingctl.model.moe import RouterOutput
-    from lingctl.train.config import WatchdogConfig
+    from lingctl.runs.train_config import HealthConfig
     from lingctl.train.supervise.health import RoutingHealth, StragglerWatch
 
-    config = WatchdogConfig()
+    config = HealthConfig()
     routing = RoutingHealth(config, [1], 8)
     stragglers = StragglerWatch(config, 2)
     idx = torch.randint(0, 8, (512, 2))

@@ -7,8 +7,9 @@ listing continues -> verify each copy -> copy the --commit-last objects -> delet
 never from an S3 source prefix with nothing under it). ``SyncOptions.objects`` copies named objects (a
 single-file source) instead of listing trees.
 
-Skipping needs no request per object: the journal remembers what babel wrote (size, source mtime, CRC,
-destination etag), so an unchanged tree re-syncs from the two listings alone.
+Skipping needs no request per object (``decide.CopyDecision``): the journal remembers what babel wrote (size,
+source mtime, CRC, destination etag), so an unchanged tree re-syncs from the two listings alone. ``run``
+takes ``babel copy`` and ``babel sync`` from their options to a ``Syncer``.
 
 Failures are per object and the run goes on, except a full disk (``DiskFullError``), which stops it: every
 further write would fail the same way. ``SyncResult.failure`` turns the failed objects into the run's error:
@@ -24,19 +25,20 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from lingctl.babel.bwlimit import TokenBucket
+from lingctl.babel.copy_queue import CopyQueue
+from lingctl.babel.decide import CopyDecision
 from lingctl.babel.filters import KeyFilter
 from lingctl.babel.index import ListingIndex
-from lingctl.babel.journal import Done, Journal
+from lingctl.babel.journal import Journal
 from lingctl.babel.listing import Listed, ListStats, list_tree
 from lingctl.babel.sampling import DEFAULT_SAMPLES
 from lingctl.babel.single import RenamedKeys
-from lingctl.babel.transfer import Item, check_copy, copy_object, crc_of
+from lingctl.babel.transfer import Item, check_copy, copy_object
 from lingctl.core.atomic import sweep_stale
 from lingctl.core.cache import cache_dir
 from lingctl.core.errors import (
@@ -48,12 +50,11 @@ from lingctl.core.errors import (
     VerificationError,
 )
 from lingctl.core.names import printable
-from lingctl.core.storage import Aimd, ObjectInfo, ObjectStore, S3Options, StoreURL, open_store
+from lingctl.core.storage import Aimd, ObjectStore, S3Options, StoreURL, open_store
 
 log = logging.getLogger(__name__)
 
 STATE_DIR_NAME = ".lingctl-babel"
-MTIME_TOLERANCE = 1e-3
 
 
 def state_dir_for(dst: StoreURL, explicit: Path | None) -> Path:
@@ -167,6 +168,9 @@ Progress = Callable[[str, int], None]
 
 
 class Syncer:
+    """One run from ``src_url`` to ``dst_url`` (see the module's docstring); ``progress`` is told what
+    happens as it happens."""
+
     def __init__(
         self, src_url: StoreURL, dst_url: StoreURL, s3: S3Options, opts: SyncOptions, progress: Progress | None = None
     ) -> None:
@@ -181,126 +185,23 @@ class Syncer:
             source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run, verify_mode=opts.verify
         )
         self._lock = threading.Lock()
-        self._heads = 0
         self._fatal: DiskFullError | None = None  # a full disk stops the run: every further write would fail
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> SyncResult:
         start = time.monotonic()
-        opts = self.opts
-        self.src.check()
-        if self.dst.local_root is not None:
-            if not opts.dry_run:
-                self.dst.local_root.mkdir(parents=True, exist_ok=True)
-        else:
-            self.dst.check()
-        state = state_dir_for(self.dst_url, opts.state_dir)
-        journal_path = state / "journal.sqlite"
-        # A dry run creates nothing: without a journal yet it plans against an empty one in memory.
-        self.journal = Journal(None if opts.dry_run and not journal_path.exists() else journal_path)
-        self.result.journal = str(journal_path)
-        if not opts.dry_run:
-            try:
-                unfinished = self.journal.begin_run()
-            except LingctlError:
-                self.journal.close()
-                raise
-            if unfinished and self.dst.local_root is not None:
-                # Only after a run that did not end: a walk of the whole destination is not free.
-                removed = sweep_stale(self.dst.local_root, skip_dirs={STATE_DIR_NAME})
-                self.result.removed_temp_files = len(removed)
-                if removed:
-                    log.info("removed %d temporary file(s) left by an earlier run", len(removed))
+        self._open()
+        stats = ListStats()
         index = ListingIndex()
-        src_seen = ListingIndex() if opts.delete else None
+        src_seen = ListingIndex() if self.opts.delete else None
         ended = False
         try:
-            stats = ListStats()
-            if opts.objects is not None:  # single objects: look at their destinations alone, list nothing
-                index.add_many(self._versions(self.dst, opts.objects.values()))
-            elif self.dst.local_root is None or self.dst.local_root.is_dir():
-                for batch in list_tree(
-                    self.dst_url,
-                    self.s3,
-                    jobs=opts.jobs,
-                    stats=stats,
-                    skip_dirs=frozenset({STATE_DIR_NAME}),
-                    on_unreadable=self._unreadable,
-                ):
-                    index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
-            self.result.listed_destination = index.count
-            self.known = self.journal.all_done()
-            deferred: list[Item] = []
-            with (
-                ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-obj") as objects,
-                ThreadPoolExecutor(opts.jobs, thread_name_prefix="babel-part") as parts,
-            ):
-                self._parts = parts
-                window = threading.BoundedSemaphore(opts.jobs * 4)  # listing runs ahead of copying, not unbounded
-                futures: list[Future[Any]] = []
-                for batch in self._source_batches(stats):
-                    self.result.listed_source += len(batch)
-                    self.progress("listed", len(batch))
-                    checked = 0
-                    if src_seen is not None:
-                        src_seen.add_many((e.key, e.size, e.mtime, None) for e in batch)
-                    if self._fatal is not None:
-                        break
-                    for e in batch:
-                        if not self.filter(e.key):
-                            continue
-                        checked += 1
-                        item = Item(e.key, e.size, e.mtime, e.etag)
-                        if not self._needs_copy(item, index.get(e.key)):
-                            self.result.skipped += 1
-                            continue
-                        if opts.dry_run:
-                            self.result.would_copy.append(e.key)
-                            self.result.would_copy_bytes += e.size
-                            continue
-                        if opts.commit_last and self._is_commit_last(e.key):
-                            deferred.append(item)
-                            continue
-                        self.progress("queued", e.size)
-                        window.acquire()
-                        fut = objects.submit(self._copy, item)
-                        fut.add_done_callback(lambda _f: window.release())
-                        futures.append(fut)
-                        if len(futures) > 8 * opts.jobs:
-                            futures = self._reap(futures)  # a huge sync must not keep a future per object
-                    self.progress("checked", checked)
-                for fut in futures:
-                    fut.result()
-                if deferred and self._fatal is None:
-                    if self.result.failed:
-                        for item in deferred:
-                            self.result.failed.append(
-                                {
-                                    "key": item.key,
-                                    "error": "held back: other objects failed, "
-                                    "so the commit-last object was not copied",
-                                    "kind": "held",
-                                }
-                            )
-                    else:
-                        for item in deferred:  # after everything else is copied and verified
-                            self.progress("queued", item.size)
-                            self._copy(item)
+            self._index_destination(index, stats)
+            self._copy_source(index, src_seen, stats)
             if self._fatal is not None:
                 raise self._fatal
             self.result.list_requests = stats.requests
-            if opts.delete and not self.result.listed_source and self.src_url.is_s3 and self.src_url.prefix:
-                # S3 has no directories: an empty prefix is most likely a typo, and a sync from it would empty
-                # the destination. rclone refuses it the same way ("directory not found").
-                raise NotFoundError(
-                    f"{self.src_url}: no objects under this prefix (directory not found); nothing was deleted",
-                    hint="check the source URL",
-                )
-            if opts.delete:
-                assert src_seen is not None
-                self._delete(index, src_seen)
-            if not opts.dry_run:
-                self.journal.end_run()
+            self._finish(index, src_seen)
             ended = True
         finally:
             index.close()
@@ -311,28 +212,147 @@ class Syncer:
             except LingctlError:
                 if ended:
                     raise  # else an error already on its way (a full disk) says more than the journal's
-        counters = [s.retrier.counters for s in (self.src, self.dst) if hasattr(s, "retrier")]
+        self._count_requests(stats)
+        self.result.seconds = round(time.monotonic() - start, 3)
+        return self.result
+
+    def _open(self) -> None:
+        """Check both roots, create a local destination, open the journal and, after a run that did not
+        end, remove the temporary files it left in a local destination."""
+        self.src.check()
+        if self.dst.local_root is not None:
+            if not self.opts.dry_run:
+                self.dst.local_root.mkdir(parents=True, exist_ok=True)
+        else:
+            self.dst.check()
+        journal_path = state_dir_for(self.dst_url, self.opts.state_dir) / "journal.sqlite"
+        # A dry run creates nothing: without a journal yet it plans against an empty one in memory.
+        self.journal = Journal(None if self.opts.dry_run and not journal_path.exists() else journal_path)
+        self.result.journal = str(journal_path)
+        if self.opts.dry_run:
+            return
+        try:
+            unfinished = self.journal.begin_run()
+        except LingctlError:
+            self.journal.close()
+            raise
+        if unfinished and self.dst.local_root is not None:
+            # Only after a run that did not end: a walk of the whole destination is not free.
+            removed = sweep_stale(self.dst.local_root, skip_dirs={STATE_DIR_NAME})
+            self.result.removed_temp_files = len(removed)
+            if removed:
+                log.info("removed %d temporary file(s) left by an earlier run", len(removed))
+
+    def _index_destination(self, index: ListingIndex, stats: ListStats) -> None:
+        if self.opts.objects is not None:  # single objects: look at their destinations alone, list nothing
+            index.add_many(self._versions(self.dst, self.opts.objects.values()))
+        elif self.dst.local_root is None or self.dst.local_root.is_dir():
+            for batch in self._list(self.dst_url, stats):
+                index.add_many((e.key, e.size, e.mtime, e.etag) for e in batch)
+        self.result.listed_destination = index.count
+
+    def _list(self, url: StoreURL, stats: ListStats) -> Iterator[list[Listed]]:
+        return list_tree(
+            url,
+            self.s3,
+            jobs=self.opts.jobs,
+            stats=stats,
+            skip_dirs=frozenset({STATE_DIR_NAME}),
+            on_unreadable=self._unreadable,
+        )
+
+    def _copy_source(self, index: ListingIndex, src_seen: ListingIndex | None, stats: ListStats) -> None:
+        """Stream the source listing, deciding each object against the index and the journal, and copy
+        on a pool while the listing goes on; the --commit-last objects after everything else."""
+        deferred: list[Item] = []
+        with (
+            ThreadPoolExecutor(self.opts.jobs, thread_name_prefix="babel-obj") as objects,
+            ThreadPoolExecutor(self.opts.jobs, thread_name_prefix="babel-part") as parts,
+        ):
+            self._parts = parts
+            copies = CopyQueue(objects, self.opts.jobs)
+            batches = self._source_batches(stats)  # for single objects, a view of the source under new names
+            decide = CopyDecision(self.src, self.dst, self.journal.all_done(), checksum=self.opts.checksum)
+            for batch in batches:
+                self.result.listed_source += len(batch)
+                self.progress("listed", len(batch))
+                if src_seen is not None:
+                    src_seen.add_many((e.key, e.size, e.mtime, None) for e in batch)
+                if self._fatal is not None:
+                    break
+                self.progress("checked", self._schedule(batch, index, decide, copies, deferred))
+            self.result.head_requests = decide.heads
+            copies.wait()
+            self._copy_deferred(deferred)
+
+    def _schedule(
+        self, batch: list[Listed], index: ListingIndex, decide: CopyDecision, copies: CopyQueue, deferred: list[Item]
+    ) -> int:
+        """Hand the objects of ``batch`` that need a copy to the pool (or, in a dry run, to the plan; the
+        --commit-last ones to ``deferred``); returns how many passed the filters."""
+        checked = 0
+        for e in batch:
+            if not self.filter(e.key):
+                continue
+            checked += 1
+            item = Item(e.key, e.size, e.mtime, e.etag)
+            if not decide.needs_copy(item, index.get(e.key)):
+                self.result.skipped += 1
+            elif self.opts.dry_run:
+                self.result.would_copy.append(e.key)
+                self.result.would_copy_bytes += e.size
+            elif self.opts.commit_last and self._is_commit_last(e.key):
+                deferred.append(item)
+            else:
+                self.progress("queued", e.size)
+                copies.submit(self._copy, item)
+        return checked
+
+    def _copy_deferred(self, deferred: list[Item]) -> None:
+        """The --commit-last objects, once everything else is copied and verified; held back when anything
+        failed, so their presence means the rest is complete."""
+        if not deferred or self._fatal is not None:
+            return
+        if self.result.failed:
+            for item in deferred:
+                self.result.failed.append(
+                    {
+                        "key": item.key,
+                        "error": "held back: other objects failed, so the commit-last object was not copied",
+                        "kind": "held",
+                    }
+                )
+            return
+        for item in deferred:
+            self.progress("queued", item.size)
+            self._copy(item)
+
+    def _finish(self, index: ListingIndex, src_seen: ListingIndex | None) -> None:
+        if self.opts.delete and not self.result.listed_source and self.src_url.is_s3 and self.src_url.prefix:
+            # S3 has no directories: an empty prefix is most likely a typo, and a sync from it would empty
+            # the destination. rclone refuses it the same way ("directory not found").
+            raise NotFoundError(
+                f"{self.src_url}: no objects under this prefix (directory not found); nothing was deleted",
+                hint="check the source URL",
+            )
+        if src_seen is not None:  # exactly when deleting
+            self._delete(index, src_seen)
+        if not self.opts.dry_run:
+            self.journal.end_run()
+
+    def _count_requests(self, stats: ListStats) -> None:
+        counters = [c for c in (self.src.request_counters, self.dst.request_counters) if c is not None]
         self.result.requests = sum(c.requests for c in counters) + self.result.list_requests
         self.result.retries = sum(c.retries for c in counters) + stats.retries
         self.result.throttled = sum(c.throttled for c in counters)
-        self.result.head_requests = self._heads
         self.result.min_concurrency = int(self.gate.lowest)
-        self.result.seconds = round(time.monotonic() - start, 3)
-        return self.result
 
     def _source_batches(self, stats: ListStats) -> Iterator[list[Listed]]:
         """The source listing in batches; for single objects, one batch of them under their destination
         keys, read through a view of the source that maps those keys back (rclone's copyto)."""
         names = self.opts.objects
         if names is None:
-            return list_tree(
-                self.src_url,
-                self.s3,
-                jobs=self.opts.jobs,
-                stats=stats,
-                skip_dirs=frozenset({STATE_DIR_NAME}),
-                on_unreadable=self._unreadable,
-            )
+            return self._list(self.src_url, stats)
         renamed = {d: s for s, d in names.items() if d != s}
         if renamed:
             self.src = RenamedKeys(self.src, renamed)  # type: ignore[assignment]
@@ -352,66 +372,9 @@ class Syncer:
                 found.append((key, v.size, v.mtime, v.etag))
         return found
 
-    @staticmethod
-    def _reap(futures: list[Future[Any]]) -> list[Future[Any]]:
-        """Drop finished futures, re-raising any unexpected error (expected ones are recorded by _copy)."""
-        pending = []
-        for fut in futures:
-            if fut.done():
-                fut.result()
-            else:
-                pending.append(fut)
-        return pending
-
     def _is_commit_last(self, key: str) -> bool:
         name = self.opts.commit_last or ""
         return key == name or key.rsplit("/", 1)[-1] == name
-
-    # -- decisions ------------------------------------------------------------------------------------
-    def _needs_copy(self, item: Item, dst: tuple[int, float, str | None] | None) -> bool:
-        if dst is None or dst[0] != item.size:
-            return True
-        rec = self.known.get(item.key)
-        if self.opts.checksum:
-            return self._checksums_differ(item, rec, dst)
-        if rec is not None and rec.size == item.size and abs(rec.src_mtime - item.mtime) < MTIME_TOLERANCE:
-            if self.dst.keeps_mtime:
-                return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
-            # The object babel wrote is still there (same etag): no request needed to know it is current.
-            if rec.dst_etag is None or dst[2] is None or rec.dst_etag.strip('"') == dst[2].strip('"'):
-                return False
-        if self.dst.keeps_mtime:  # the listing shows the mtime babel set; other stores record it in metadata
-            return abs(dst[1] - item.mtime) >= MTIME_TOLERANCE
-        head = self._head(self.dst, item.key)  # written by another tool or before the journal: ask once
-        return head is None or abs(head.mtime - item.mtime) >= MTIME_TOLERANCE
-
-    def _head(self, side: ObjectStore, key: str) -> ObjectInfo | None:
-        with self._lock:
-            self._heads += 1
-        return side.head(key)
-
-    def _checksums_differ(self, item: Item, rec: Done | None, dst: tuple[int, float, str | None]) -> bool:
-        src_crc = self._crc(self.src, item)
-        dst_crc = rec.crc if rec is not None and self._journal_matches(rec, dst) else None
-        if dst_crc is None:
-            dst_crc = self._crc(self.dst, item)
-        if src_crc is None or dst_crc is None:
-            return False  # no checksum on one side: equal sizes are all that can be compared
-        return src_crc != dst_crc
-
-    def _journal_matches(self, rec: Done, dst: tuple[int, float, str | None]) -> bool:
-        """Whether the destination object is still the one babel wrote (so the journal's CRC is its CRC)."""
-        if rec.size != dst[0]:
-            return False
-        if self.dst.keeps_mtime:
-            return abs(dst[1] - rec.src_mtime) < MTIME_TOLERANCE
-        return rec.dst_etag is not None and dst[2] is not None and rec.dst_etag.strip('"') == dst[2].strip('"')
-
-    def _crc(self, side: ObjectStore, item: Item) -> str | None:
-        if not side.records_checksums:  # computed from the bytes (a local file)
-            return crc_of(side, item.key, item.size).tagged()
-        head = self._head(side, item.key)
-        return head.checksum if head is not None else None
 
     # -- doing ----------------------------------------------------------------------------------------
     def _copy(self, item: Item) -> None:
@@ -439,25 +402,10 @@ class Syncer:
             if not checked:
                 check_copy(self.src, self.dst, item, done, self.opts.verify, self.opts.samples)
         except DiskFullError as exc:
-            with self._lock:
-                self._fatal = self._fatal or exc
+            self._stop(exc)
             return
         except LingctlError as exc:
-            log.warning("%s: %s", item.key, exc)
-            try:
-                self.journal.forget(item.key)
-            except DiskFullError as full:
-                with self._lock:
-                    self._fatal = self._fatal or full
-            with self._lock:
-                self.result.failed.append(
-                    {
-                        "key": item.key,
-                        "error": str(exc),
-                        "kind": "verify" if exc.exit_code == 4 else ("retryable" if exc.retryable else "error"),
-                    }
-                )
-            self.progress("failed", 1)
+            self._failed(item, exc)
             return
         with self._lock:
             self.result.copied += 1
@@ -465,6 +413,28 @@ class Syncer:
             if self.opts.verify != "none":
                 self.result.verified += 1
         self.progress("copied", 1)
+
+    def _failed(self, item: Item, exc: LingctlError) -> None:
+        """A copy that failed: recorded with its kind, and forgotten by the journal."""
+        log.warning("%s: %s", item.key, exc)
+        try:
+            self.journal.forget(item.key)
+        except DiskFullError as full:
+            self._stop(full)
+        with self._lock:
+            self.result.failed.append(
+                {
+                    "key": item.key,
+                    "error": str(exc),
+                    "kind": "verify" if exc.exit_code == 4 else ("retryable" if exc.retryable else "error"),
+                }
+            )
+        self.progress("failed", 1)
+
+    def _stop(self, exc: DiskFullError) -> None:
+        """A full disk stops the run: every further write would fail the same way."""
+        with self._lock:
+            self._fatal = self._fatal or exc
 
     def _moved(self, n: int) -> None:
         """``n`` more bytes of a copy went through: held back to ``--bwlimit``, then counted for progress.

@@ -134,9 +134,8 @@ def _copy_version(
         raise UsageError(f"{dst.describe()} cannot take objects in parts; {item.key} needs {psize}-byte parts")
     for attempt in range(1, UPLOAD_ATTEMPTS + 1):
         try:
-            done, resumed = _copy_multipart(
-                src, dst, uploads, item, psize, journal, pool, on_resumed, server_check, on_bytes
-            )
+            copy = _MultipartCopy(src, uploads, item, psize, journal, server_check=server_check, on_bytes=on_bytes)
+            done, resumed = copy.run(pool, on_resumed)
             # Parts sent by an earlier run may have gone without Content-MD5: such an object is read back.
             return done, server_check and dst.checks_bodies and not resumed
         except UploadGoneError as exc:
@@ -150,98 +149,119 @@ def _copy_version(
     raise AssertionError("unreachable")
 
 
-def _copy_multipart(
-    src: ObjectStore,
-    dst: ObjectStore,
-    uploads: MultipartUploads,
-    item: Item,
-    psize: int,
-    journal: Journal,
-    pool: ThreadPoolExecutor,
-    on_resumed: Notify | None,
-    server_check: bool = False,
-    on_bytes: Notify | None = None,
-) -> tuple[Done, bool]:
-    """The copy's journal record, and whether parts sent by an earlier run were kept."""
-    key = item.key
-    pin = item.version
-    count = math.ceil(item.size / psize)
-    # The source's own full CRC, when it has one, is recorded with the new object from the start (multipart
-    # metadata cannot be added later) and checked against the parts' combined CRC before completing.
-    expected = _recorded_crc(src, item)
-    resumable = uploads.resumable
-    upload = journal.upload(key) if resumable else None
-    finished: dict[int, tuple[str, int, int]] = {}
-    if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == (
-        item.size,
-        item.mtime,
-        psize,
-        item.etag,
-    ):
-        finished = journal.parts(key, upload.upload_id)
-        upload_id = upload.upload_id
-        if on_resumed is not None:
-            on_resumed(len(finished))
-    else:
-        if upload is not None:  # the source changed since: that upload cannot be continued
-            uploads.abort(key, upload.upload_id)
-        upload_id = uploads.create(key, item.size, mtime=item.mtime, mtime_ns=_exact_mtime(src, item), crc=expected)
-        if resumable:
-            journal.start_upload(key, Upload(upload_id, item.size, item.mtime, psize, item.etag))
+class _MultipartCopy:
+    """One object copied in parts: an upload opened (or, on a resumable store, continued from the parts the
+    journal recorded), the missing parts read and sent in parallel, their CRCs combined, then completed."""
 
-    def one(number: int) -> tuple[int, str, Crc64]:
-        offset = (number - 1) * psize
-        length = min(psize, item.size - offset)
-        data = src.read(key, offset, length, pin=pin)
+    def __init__(
+        self,
+        src: ObjectStore,
+        uploads: MultipartUploads,
+        item: Item,
+        psize: int,
+        journal: Journal,
+        *,
+        server_check: bool,
+        on_bytes: Notify | None,
+    ) -> None:
+        self.src, self.uploads, self.item, self.psize, self.journal = src, uploads, item, psize, journal
+        self.server_check, self.on_bytes = server_check, on_bytes
+        self.key = item.key
+        self.resumable = uploads.resumable
+        self.count = math.ceil(item.size / psize)
+        self.upload_id = ""
+
+    def run(self, pool: ThreadPoolExecutor, on_resumed: Notify | None) -> tuple[Done, bool]:
+        """The copy's journal record, and whether parts sent by an earlier run were kept."""
+        # The source's own full CRC, when it has one, is recorded with the new object from the start (multipart
+        # metadata cannot be added later) and checked against the parts' combined CRC before completing.
+        expected = _recorded_crc(self.src, self.item)
+        finished = self._open(expected, on_resumed)
+        parts = {n: (etag, Crc64(crc, length)) for n, (etag, crc, length) in finished.items()}
+        parts.update(self._send(pool, [n for n in range(1, self.count + 1) if n not in finished]))
+        total = Crc64()
+        for n in range(1, self.count + 1):
+            total.extend(parts[n][1])
+        if expected is not None and total.tagged() != expected:
+            self._drop()
+            raise RetryableError(
+                f"{self.key}: the parts read add up to {total.tagged()}, but the source records "
+                f"{expected}; the source changed during the copy (nothing was completed)"
+            )
+        return self._complete(parts, total), bool(finished)
+
+    def _open(self, expected: str | None, on_resumed: Notify | None) -> dict[int, tuple[str, int, int]]:
+        """Continue the journal's upload of this very version (returning its finished parts), else start one."""
+        item = self.item
+        upload = self.journal.upload(self.key) if self.resumable else None
+        if upload is not None and (upload.size, upload.src_mtime, upload.part_size, upload.src_etag) == (
+            item.size,
+            item.mtime,
+            self.psize,
+            item.etag,
+        ):
+            self.upload_id = upload.upload_id
+            finished = self.journal.parts(self.key, upload.upload_id)
+            if on_resumed is not None:
+                on_resumed(len(finished))
+            return finished
+        if upload is not None:  # the source changed since: that upload cannot be continued
+            self.uploads.abort(self.key, upload.upload_id)
+        self.upload_id = self.uploads.create(
+            self.key, item.size, mtime=item.mtime, mtime_ns=_exact_mtime(self.src, item), crc=expected
+        )
+        if self.resumable:
+            self.journal.start_upload(self.key, Upload(self.upload_id, item.size, item.mtime, self.psize, item.etag))
+        return {}
+
+    def _send(self, pool: ThreadPoolExecutor, todo: list[int]) -> dict[int, tuple[str, Crc64]]:
+        try:
+            return {number: (etag, crc) for number, etag, crc in pool.map(self._part, todo)}
+        except BaseException as exc:
+            if not self.resumable:
+                self.uploads.abort(self.key, self.upload_id)  # a local temporary file is not worth keeping
+            elif isinstance(exc, SourceChangedError):
+                self._drop()  # its parts are of a version that no longer exists
+            raise
+
+    def _part(self, number: int) -> tuple[int, str, Crc64]:
+        offset = (number - 1) * self.psize
+        length = min(self.psize, self.item.size - offset)
+        data = self.src.read(self.key, offset, length, pin=self.item.version)
         if len(data) != length:
-            raise RetryableError(f"{key}: short read of part {number} ({len(data)} of {length} bytes)")
+            raise RetryableError(f"{self.key}: short read of part {number} ({len(data)} of {length} bytes)")
         crc = crc64_bytes(data)
-        etag = uploads.put_part(key, upload_id, number, offset, data, server_check=server_check)
-        if resumable:
-            journal.add_part(key, upload_id, number, etag, crc.value, crc.length)
-        if on_bytes is not None:
-            on_bytes(length)
+        etag = self.uploads.put_part(self.key, self.upload_id, number, offset, data, server_check=self.server_check)
+        if self.resumable:
+            self.journal.add_part(self.key, self.upload_id, number, etag, crc.value, crc.length)
+        if self.on_bytes is not None:
+            self.on_bytes(length)
         return number, etag, crc
 
-    todo = [n for n in range(1, count + 1) if n not in finished]
-    results = {n: (e, Crc64(c, ln)) for n, (e, c, ln) in finished.items()}
-    try:
-        for number, etag, crc in pool.map(one, todo):
-            results[number] = (etag, crc)
-    except BaseException as exc:
-        if not resumable:
-            uploads.abort(key, upload_id)  # a local temporary file is not worth keeping
-        elif isinstance(exc, SourceChangedError):
-            uploads.abort(key, upload_id)  # its parts are of a version that no longer exists
-            journal.end_upload(key, None)
-        raise
-    total = Crc64()
-    for n in range(1, count + 1):
-        total.extend(results[n][1])
-    if expected is not None and total.tagged() != expected:
-        uploads.abort(key, upload_id)
-        if resumable:
-            journal.end_upload(key, None)
-        raise RetryableError(
-            f"{key}: the parts read add up to {total.tagged()}, but the source records "
-            f"{expected}; the source changed during the copy (nothing was completed)"
-        )
-    try:
-        completed = uploads.complete(
-            key,
-            upload_id,
-            [(n, results[n][0]) for n in range(1, count + 1)],
-            mtime=item.mtime,
-            mtime_ns=_exact_mtime(src, item),
-        )
-    except BaseException:
-        if not resumable:
-            uploads.abort(key, upload_id)
-        raise
-    done = Done(item.size, item.mtime, total.tagged(), completed.etag, completed.mtime)
-    if resumable:
-        journal.end_upload(key, done)
-    return done, bool(finished)
+    def _complete(self, parts: dict[int, tuple[str, Crc64]], total: Crc64) -> Done:
+        item = self.item
+        try:
+            completed = self.uploads.complete(
+                self.key,
+                self.upload_id,
+                [(n, parts[n][0]) for n in range(1, self.count + 1)],
+                mtime=item.mtime,
+                mtime_ns=_exact_mtime(self.src, item),
+            )
+        except BaseException:
+            if not self.resumable:
+                self.uploads.abort(self.key, self.upload_id)
+            raise
+        done = Done(item.size, item.mtime, total.tagged(), completed.etag, completed.mtime)
+        if self.resumable:
+            self.journal.end_upload(self.key, done)
+        return done
+
+    def _drop(self) -> None:
+        """Abort the upload and forget it: a later attempt starts a new one."""
+        self.uploads.abort(self.key, self.upload_id)
+        if self.resumable:
+            self.journal.end_upload(self.key, None)
 
 
 # Reads of one large object's ranges run side by side: a single big file should not verify at the speed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -137,6 +138,68 @@ def s3_options(
         read_timeout=timeout,
         connect_timeout=contimeout,
     )
+
+
+# babel's settings: listing and comparing (ls, copy, sync, verify), then copying (copy, sync).
+JobsOpt = Annotated[int, typer.Option("--jobs", "-j", metavar="N", min=1, help="Concurrent transfers and requests.")]
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--include", metavar="GLOB", help="Only keys matching (repeatable; default: all keys)."),
+]
+ExcludeOpt = Annotated[
+    list[str] | None, typer.Option("--exclude", metavar="GLOB", help="Skip keys matching (repeatable; default: none).")
+]
+SamplesOpt = Annotated[
+    int, typer.Option("--samples", metavar="N", min=2, help="Sampled ranges (1 MiB each) per large object.")
+]
+SrcArg = Annotated[str, typer.Argument(help="Source: a path or s3://bucket/prefix, or one file or object.")]
+DstArg = Annotated[
+    str, typer.Argument(help="Destination: a path or s3://bucket/prefix (for one file: a directory, or the new name).")
+]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would change; change nothing.")]
+ChecksumOpt = Annotated[bool, typer.Option("--checksum", "-c", help="Compare CRC64NVME, not size + mtime.")]
+PartSizeOpt = Annotated[
+    str | None, typer.Option("--part-size", metavar="SIZE", help="Multipart part size (default: adapts, >= 8MiB).")
+]
+VerifyOpt = Annotated[
+    VerifyMode, typer.Option("--verify", help="After each copy: none, sampled (CRCs of sampled ranges) or full.")
+]
+ShardOpt = Annotated[
+    str | None,
+    typer.Option("--shard", metavar="I/N", help="Take only shard I of N of the key space (default: all of it)."),
+]
+CommitLastOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--commit-last",
+        metavar="NAME",
+        help="Copy NAME only after everything else is copied and verified (default: no such ordering).",
+    ),
+]
+StateDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir", metavar="DIR", help="Where the resumable journal lives (default: ~/.cache/lingctl/babel/...)."
+    ),
+]
+StatsOpt = Annotated[
+    str, typer.Option("--stats", metavar="DURATION", help="Off a terminal: a stats line on stderr this often (0: off).")
+]
+ProgressOpt = Annotated[
+    bool, typer.Option("--progress", "-P", help="Show the live progress display, even off a terminal.")
+]
+BwlimitOpt = Annotated[
+    str, typer.Option("--bwlimit", metavar="RATE", help="Limit the transfer rate, e.g. 10M = 10 MiB/s (0: off).")
+]
+MaxDeleteOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-delete", metavar="N", help="Delete nothing if more than N would be deleted (default: no limit)."
+    ),
+]
+DeleteOpt = Annotated[
+    bool, typer.Option("--delete", hidden=True, help="Accepted for old scripts: sync always deletes.")
+]
 
 
 # flood's engine settings, shared by `flood run` and `flood eval`.

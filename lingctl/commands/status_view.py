@@ -1,6 +1,6 @@
 """A long job's progress as the output layer shows it: a Rich bar on a terminal; off a terminal one status line
 on stderr every few seconds, so a batch job's log shows progress; nothing with --json (the summary is the
-answer)."""
+answer). The one live view of every command (flood, flood eval, train)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,22 @@ class StatusView:
     def show(self, name: str, text: str, *, completed: float, total: float | None, line: str | None = None) -> None:
         """``text`` on the bar called ``name`` (a new name starts a new bar); off a terminal ``line`` (default:
         ``text``) once every ``every_s``."""
+        self.update(name, text, completed=completed, total=total)
+        self.log(line if line is not None else text)
+
+    def update(self, name: str, text: str, *, completed: float, total: float | None) -> None:
+        """The bar alone: ``text`` on the bar called ``name`` (a new name starts a new bar)."""
         if name != self._name:
             self._close()
             self._name = name
             self._cm = self.out.progress(name, total=total)
             self._task = self._cm.__enter__()
         self._task.update(description=text, completed=completed)
-        if not self.out.progress_enabled and time.monotonic() - self._last >= self.every_s:
-            self._last = time.monotonic()
-            self.out.info(line if line is not None else text)
+
+    def log(self, line: str, *, now: bool = False) -> None:
+        """Off a terminal, ``line`` on stderr when ``every_s`` has passed since the last one (``now``: at once,
+        for the lines a log must have, as the first and the last)."""
+        if self.out.progress_enabled or not (now or time.monotonic() - self._last >= self.every_s):
+            return
+        self._last = time.monotonic()
+        self.out.info(line)

@@ -13,7 +13,7 @@ import enum
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -142,28 +142,21 @@ def _kind(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
+def _mismatch(value: Any, where: str, path: str, expected: str) -> UsageError:
+    return UsageError(f"{where}: {path} must be {expected}, got {_kind(value)} {value!r}")
+
+
 def _coerce(value: Any, tp: Any, where: str, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
-    def bad(expected: str) -> UsageError:
-        return UsageError(f"{where}: {path} must be {expected}, got {_kind(value)} {value!r}")
-
+    """``value`` as the type ``tp``, converting what a TOML file or a command line writes (``"3"`` for 3,
+    ``"yes"`` for true, ``"a,b"`` for a list); otherwise a ``UsageError`` naming ``path`` and both types."""
     if tp is Any:
         return value
+    origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, where, path)
-            except UsageError as exc:
-                errors.append(exc)
-        raise errors[0] if len(errors) == 1 else bad(" or ".join(_type_name(a) for a in args))
+        return _coerce_union(value, typing.get_args(tp), where, path)
     if origin is typing.Literal:
-        if value not in args:
-            raise bad("one of " + ", ".join(repr(a) for a in args))
+        if value not in typing.get_args(tp):
+            raise _mismatch(value, where, path, "one of " + ", ".join(repr(a) for a in typing.get_args(tp)))
         return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_mapping(tp, value, where=where, path=path)
@@ -171,61 +164,98 @@ def _coerce(value: Any, tp: Any, where: str, path: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise bad("one of " + ", ".join(repr(m.value) for m in tp)) from None
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise bad("true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""), 0)
-            except ValueError:
-                pass
-        raise bad("an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise bad("a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad("a string")
-    if tp is Path:
-        if isinstance(value, (str, Path)):
-            return Path(value).expanduser()
-        raise bad("a path")
+            raise _mismatch(value, where, path, "one of " + ", ".join(repr(m.value) for m in tp)) from None
+    if tp in _SCALARS:
+        try:
+            return _SCALARS[tp](value)
+        except (TypeError, ValueError):
+            raise _mismatch(value, where, path, _type_name(tp)) from None
     if origin in (list, tuple) or tp in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in (s.strip() for s in value.split(",")) if v]
-        if not isinstance(value, (list, tuple)):
-            raise bad("a list")
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(args) != len(value):
-                raise bad(f"a list of {len(args)} items")
-            return tuple(_coerce(v, a, where, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        items = [_coerce(v, item, where, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if (origin is tuple or tp is tuple) else items
+        return _coerce_sequence(value, tp, where, path)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise bad("a table")
+            raise _mismatch(value, where, path, "a table")
+        args = typing.get_args(tp)
         val_t = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, val_t, where, f"{path}.{k}") for k, v in value.items()}
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise bad(_type_name(tp))
+    raise _mismatch(value, where, path, _type_name(tp))
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], where: str, path: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _coerce(value, arg, where, path)
+        except UsageError as exc:
+            errors.append(exc)
+    raise errors[0] if len(errors) == 1 else _mismatch(value, where, path, " or ".join(_type_name(a) for a in args))
+
+
+def _coerce_sequence(value: Any, tp: Any, where: str, path: str) -> list[Any] | tuple[Any, ...]:
+    """A list, or a tuple of fixed (``tuple[int, str]``) or any length; a string is split at commas."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, str):
+        value = [v for v in (s.strip() for s in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)):
+        raise _mismatch(value, where, path, "a list")
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(args) != len(value):
+            raise _mismatch(value, where, path, f"a list of {len(args)} items")
+        return tuple(_coerce(v, a, where, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    item = args[0] if args else Any
+    items = [_coerce(v, item, where, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if (origin is tuple or tp is tuple) else items
+
+
+# Scalars: the value as the type, converted from the string a command line gives; TypeError or ValueError
+# when it is neither.
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+        return value.lower() in ("true", "yes", "1", "on")
+    raise TypeError
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        return int(value.replace("_", ""), 0)
+    raise TypeError
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise TypeError
+
+
+def _to_path(value: Any) -> Path:
+    if isinstance(value, (str, Path)):
+        return Path(value).expanduser()
+    raise TypeError
+
+
+_SCALARS: dict[Any, Callable[[Any], Any]] = {
+    bool: _to_bool,
+    int: _to_int,
+    float: _to_float,
+    str: _to_str,
+    Path: _to_path,
+}
 
 
 def _type_name(tp: Any) -> str:

@@ -77,3 +77,14 @@ def format_duration(seconds: float) -> str:
     h, rest = divmod(whole, 3600)
     m, s = divmod(rest, 60)
     return (f"{h}h" if h else "") + f"{m}m{s}s"
+
+
+def format_whole_duration(seconds: float) -> str:
+    """Time left as rclone writes its ETA, in whole seconds: ``0s``, ``42s``, ``1m15s``, ``1h2m5s`` (a fraction of a
+    second of an estimate means nothing, and log parsers expect the integer form)."""
+    if not math.isfinite(seconds):
+        return "-"
+    whole = max(int(round(seconds)), 0)
+    h, rest = divmod(whole, 3600)
+    m, s = divmod(rest, 60)
+    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{s}s"

@@ -7,6 +7,9 @@ its place with the user's own files, or a downloaded ``checkpoints/`` tree, with
 
 ``latest.json`` names the checkpoint a resume starts from.
 
+A run's default name is ``runs/PRESET-TIME``; an ``s3://`` run is written first into a local staging
+directory, named after its URL under the cache (``--cache-dir``).
+
 Both are data that anyone may have edited, so their names are checked before they are joined to a path
 (``lingctl.core.names``), and only names of the run layout are accepted: a manifest listing ``../x`` or
 ``notes.txt`` is damaged (exit 4), so a crafted one cannot aim a deletion anywhere else.
@@ -14,13 +17,18 @@ Both are data that anyone may have edited, so their names are checked before the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from lingctl.core.cache import cache_dir as lingctl_cache_dir
 from lingctl.core.errors import UsageError, VerificationError
 from lingctl.core.names import check_relative, printable
+from lingctl.core.storage.url import StoreURL, parse_url
 from lingctl.model.checkpoint_files import TOKENIZER
 
 MANIFEST = "lingctl-run.json"
@@ -32,14 +40,33 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 # The files at the top of a run directory, besides the manifest and the checkpoints.
 RUN_FILES = (TOKENIZER, METRICS, LATEST)
-# What the watchdog records: one line per incident, and the verdicts of hangs (stacks and all).
+# What the run records about its incidents: one line per incident, and the files they point to (a hang's
+# verdict with the stacks, the step records a restart abandoned).
 INCIDENTS = "incidents.jsonl"
 INCIDENT_DIR = "incidents"
-WATCHDOG_FILES = (INCIDENTS, INCIDENT_DIR)
+INCIDENT_FILES = (INCIDENTS, INCIDENT_DIR)
 # Written at the end of a local run when the name is free (``lingctl train plot``'s default output).
 PLOT = "loss.png"
 
 _CHECKPOINT = re.compile(r"checkpoints/step-(\d{8})")
+
+
+def default_run_dir(preset: str) -> str:
+    """Where a run goes without --out: ``runs/PRESET-YYYYmmdd-HHMMSS``."""
+    return str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
+    """The local directory an ``s3://`` run at ``url`` is written in first (under ``cache_dir``, by default
+    lingctl's cache), one per URL."""
+    base = Path(cache_dir) if cache_dir is not None else lingctl_cache_dir("runs")
+    return base / hashlib.sha256(str(url).encode()).hexdigest()[:16]
+
+
+def local_dir(out: str, cache_dir: Path | None = None) -> Path:
+    """The local directory of the run at ``out``: itself, or for an ``s3://`` run its staging directory."""
+    url = parse_url(out)
+    return staging_dir(url, cache_dir) if url.is_s3 else url.path
 
 
 def checkpoint_name(step: int) -> str:
@@ -54,7 +81,7 @@ def checkpoint_step(name: str) -> int | None:
 
 def is_layout_name(name: str) -> bool:
     """Whether ``name`` is one lingctl creates in a run directory (and so may appear in a manifest)."""
-    return name in RUN_FILES or name in WATCHDOG_FILES or name == PLOT or checkpoint_step(name) is not None
+    return name in RUN_FILES or name in INCIDENT_FILES or name == PLOT or checkpoint_step(name) is not None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,6 +1,6 @@
 """What lingctl may write and delete in one place of a run: a local directory, or a store prefix.
 
-Each place carries its own manifest (``manifest.py``). ``open`` reads it, or decides whether lingctl may start
+Each place carries its own manifest (``layout.Manifest``). ``open`` reads it, or decides whether lingctl may start
 one there: in a missing or empty place, in a run of the previous lingctl version (``latest.json`` and no
 manifest) when resuming it, or anywhere with ``adopt``; otherwise the place belongs
 to somebody else and the run is refused before anything is written. ``claim`` lists names before they are
@@ -24,6 +24,16 @@ from lingctl.core.storage import ObjectStore
 from lingctl.runs.layout import CHECKPOINTS, LATEST, MANIFEST, METRICS, Manifest, checkpoint_step
 
 log = logging.getLogger(__name__)
+
+
+def written_by_lingctl(run: Path, name: str) -> bool:
+    """Whether the manifest of the local run directory ``run`` lists ``name``: lingctl wrote it, and may
+    overwrite it (a damaged manifest is refused, exit 4)."""
+    try:
+        raw = (run / MANIFEST).read_bytes()
+    except OSError:
+        return False
+    return name in Manifest.parse(raw, str(run / MANIFEST)).entries
 
 
 class OwnedPlace(ABC):

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from lingctl.core.errors import LingctlError
 from lingctl.model.config import LingConfig
 from lingctl.model.tokenizer import eos_id, load_tokenizer, train_tokenizer
-from lingctl.train.config import Resolved, TrainConfig, model_config
+from lingctl.runs.train_config import TrainConfig
 from lingctl.train.data import (
     TokenData,
     build_token_data,
@@ -20,6 +21,7 @@ from lingctl.train.data import (
     iter_documents,
     resolve_sources,
 )
+from lingctl.train.resolved import Resolved, model_config
 from lingctl.train.sources import tokenizer_source
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,14 @@ class PreparedData:
     fingerprint: str
     n_files: int
     model_config: LingConfig
+
+    def check_unchanged(self, saved: str) -> None:
+        """The data of a resumed run must be the data it was checkpointed with (``saved``: its fingerprint)."""
+        if saved != self.fingerprint:
+            raise LingctlError(
+                f"the training data changed since this run was checkpointed (fingerprint {saved} -> {self.fingerprint})",
+                hint="resume with the same --data, or start a new run with another --out",
+            )
 
 
 def _default_files() -> list[Path]:

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lingctl.runs.train_config import EditConfig
+
 # Parameters as tensors: nn.Embedding and nn.Linear declare their weights as Tensor.
 Unit = tuple[nn.Module, list[torch.Tensor]]
 
@@ -38,38 +40,6 @@ Unit = tuple[nn.Module, list[torch.Tensor]]
 # the floor means a norm must rise by more than threshold * STD_FLOOR (15% with the defaults) to be dropped.
 STD_FLOOR = 0.05
 TINY = 1e-12
-
-
-@dataclass(kw_only=True, slots=True)
-class EditConfig:
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.8  # Nesterov
-    anomaly_alpha: float = 0.02  # EMA rate of each worker's pseudo-gradient norm statistics
-    anomaly_threshold: float = 3.0  # z-score above which a worker's delta is dropped
-    anomaly_warmup: int = 3  # syncs before the z-test applies (statistics still update)
-    weight_temperature: float = 1.0  # weights = softmax(-||delta_i|| / T) over the kept workers
-    clip_norm: float | None = 1.0  # max norm of the averaged delta, per unit (None: no clipping)
-    layerwise: bool = True  # sync during the forward of the sync step, with prefetch
-
-    def validate(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"edit.{name} must be {rule}, got {getattr(self, name)!r}")
-
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise bad("outer_lr", "a finite number > 0")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise bad("outer_momentum", "in [0, 1)")
-        if not 0.0 < self.anomaly_alpha <= 1.0:
-            raise bad("anomaly_alpha", "in (0, 1]")
-        if not self.anomaly_threshold > 0:
-            raise bad("anomaly_threshold", "> 0")
-        # A z-score needs at least one accepted norm to compare with.
-        if isinstance(self.anomaly_warmup, bool) or not isinstance(self.anomaly_warmup, int) or self.anomaly_warmup < 1:
-            raise bad("anomaly_warmup", "an integer >= 1")
-        if not (math.isfinite(self.weight_temperature) and self.weight_temperature > 0):
-            raise bad("weight_temperature", "a finite number > 0")
-        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise bad("clip_norm", "a finite number > 0 or None")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lingctl.runs.records import Record
+from lingctl.train.attempt import worker_rates
 from lingctl.train.edit import EditSynchronizer
-from lingctl.train.trainer import Boundary, Record, Trainer, worker_rates
+from lingctl.train.trainer import Boundary, Trainer
 
 _STEPS, _STOP, _OUT_OF_TIME, _SYNC_S, _SINCE, _BUSY_S, _TOKENS = range(7)
 
@@ -41,7 +43,7 @@ class LocalSgdTrainer(Trainer):
         c, w = self.config, self.workers
         if self.resumed_from is not None:  # in synchronous-step equivalents, as checkpoints are named
             self.resumed_from = self.global_steps // w.world
-        self.sync = EditSynchronizer(self._units(), c.edit, delta_scale=100.0 if w.rank == c.simulate_bad_rank else 1.0)
+        self.sync = EditSynchronizer(self._units(), c.edit, delta_scale=self.drills.update_scale)
         if self._edit_state is not None:
             self.sync.load_state_dict(self._edit_state)
         else:
@@ -67,7 +69,7 @@ class LocalSgdTrainer(Trainer):
     # -- state ----------------------------------------------------------------------------------------
     _edit_state: dict[str, Any] | None = None
 
-    def _extra_state(self) -> dict[str, Any]:
+    def extra_state(self) -> dict[str, Any]:
         sync = getattr(self, "sync", None)
         if sync is not None:
             return {"edit": sync.state_dict(), "progress": torch.tensor([self.global_steps, self.syncs])}
@@ -75,7 +77,7 @@ class LocalSgdTrainer(Trainer):
         template = EditSynchronizer(self._units(), self.config.edit).state_dict()
         return {"edit": template, "progress": torch.zeros(2, dtype=torch.int64)}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
         self._edit_state = state["edit"]
         self.global_steps, self.syncs = (int(x) for x in state["progress"].tolist())
         self.warmup_left = max(0, self.config.edit_warmup_steps - self.global_steps // self.workers.world)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -11,18 +10,22 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from lingctl.core.config import build, from_mapping, load_toml, to_dict
-from lingctl.core.errors import LingctlError, UsageError, VerificationError
+from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.storage import S3Options
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
-from lingctl.runs.records import read_records
+from lingctl.runs.layout import METRICS, PLOT, default_run_dir
+from lingctl.runs.records import Record, read_records
+from lingctl.runs.settings import reset, top_level
+from lingctl.runs.train_config import TrainConfig, parse_saved
 from lingctl.train import report
-from lingctl.train.config import TrainConfig, check_model_changes, check_preset_shape
 from lingctl.train.data import resolve_sources
 from lingctl.train.local_sgd import LocalSgdTrainer
-from lingctl.train.plot import PLOT_FILE, plot_metrics
-from lingctl.train.rundir import METRICS, RunDir
-from lingctl.train.sources import open_init_source
-from lingctl.train.trainer import Record, Trainer, TrainResult
+from lingctl.train.plot import plot_metrics
+from lingctl.train.resolved import check_model_changes, check_preset_shape
+from lingctl.train.rundir import RunDir
+from lingctl.train.sources import InitSource, open_init_source
+from lingctl.train.trainer import Trainer, TrainResult
+from lingctl.train.workers import Workers
 from lingctl.train.workers import start as start_workers
 from lingctl.train.workers import stop as stop_workers
 
@@ -30,52 +33,12 @@ log = logging.getLogger(__name__)
 
 # Settings a resumed run may change; everything else must match the run's saved config, or the resumed
 # run would silently be a different experiment (the loss sequence would no longer continue).
-RESUMABLE_CHANGES = frozenset(
-    {
-        "steps",
-        "max_seconds",
-        "eval_every",
-        "eval_batches",
-        "save_every",
-        "keep_checkpoints",
-        "inject_spikes",
-        "inject_spike_factor",
-        "crash_at_step",
-        "crash_rank",
-        "simulate_slow_rank",
-        "slowdown",
-        "simulate_bad_rank",
-        "max_consecutive_skips",
-        "max_shard_size",
-        "hf_code_repo",
-        "report_to",
-        "watchdog",
-        "watchdog_config",
-        "simulate_hang",
-        "simulate_nan",
-        "simulate_spikes",
-        "simulate_routing_collapse",
-    }
-)
-
-
-def default_out(preset: str) -> str:
-    return str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+RESUMABLE_CHANGES = top_level(TrainConfig, lambda s: s.resumable)
 
 
 def _saved_config(run: RunDir, latest: dict[str, Any]) -> dict[str, Any]:
     key = f"{latest['path']}/{TRAIN_CONFIG}"
-    raw = run.read(key)
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise VerificationError(
-            f"{run.describe()}/{key} is damaged: not a JSON object",
-            hint="resume needs the settings the run was started with; restore the file",
-        )
-    return data
+    return parse_saved(run.read(key), f"{run.describe()}/{key}")
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -115,9 +78,7 @@ def resume_config(saved: dict[str, Any], requested: TrainConfig, explicit: Mappi
 
 def _no_drills(config: TrainConfig) -> None:
     """Fault drills fire in the first attempt only, or a restart or resume would repeat them."""
-    config.crash_at_step = None
-    config.simulate_hang = config.simulate_spikes = None
-    config.simulate_nan = config.simulate_routing_collapse = None
+    reset(config, lambda s: s.once)
 
 
 def train(
@@ -145,38 +106,18 @@ def train(
     workers = start_workers()
     # A worker the elastic launcher restarted after a failure continues the run from its last checkpoint.
     resume = resume or workers.restarts > 0
-    if resume and out is None:
-        raise UsageError("--resume needs --out: the run directory to continue")
-    if workers.distributed and out is None:
-        out = workers.broadcast(default_out(requested.preset))  # one directory for all workers
-    run = RunDir(out or default_out(requested.preset), s3, cache_dir=cache_dir, adopt=adopt)
-    config = requested
+    run = _run_dir(out, resume, requested.preset, workers, s3=s3, cache_dir=cache_dir, adopt=adopt)
     latest = run.latest() if resume else None
     if resume and latest is None:
         log.warning("no checkpoint in %s yet; starting from step 0", run.describe())
-    if latest is not None:
-        config = resume_config(_saved_config(run, latest), requested, explicit)
+    config = resume_config(_saved_config(run, latest), requested, explicit) if latest is not None else requested
     if workers.restarts > 0:
         _no_drills(config)
-    init = None
-    if config.init_from and latest is None:
-        init = open_init_source(config.init_from)
-        source = f"the checkpoint ({config.init_from})"
-        if "preset" in explicit:  # refused before any data is read
-            check_preset_shape(config.preset, init.config, source)
-        check_model_changes(config.model, init.config, source)
-        if "moe.routing_warmup_steps" not in explicit:
-            # Its routing is already trained: random routing at the start would only disturb it.
-            config.moe.routing_warmup_steps = 0
+    init = _init_source(config, explicit) if latest is None else None
     if config.data.paths:
         resolve_sources(config.data.paths)  # a missing data path is refused now, not after the start-up line
     # Rank 0 reports for the job (its records are the run's); the other workers never open a writer.
-    reporter = None
-    if workers.is_main and config.report_to != "none":
-        report.require(config.report_to)  # before the slow part: a missing package is one line, now
-        reporter = report.open_reporter(
-            config.report_to, run.local, name=PurePosixPath(run.describe()).name, config=to_dict(config)
-        )
+    reporter = _reporter(config, run) if workers.is_main else None
     kind = LocalSgdTrainer if workers.distributed and config.sync == "edit" else Trainer
     trainer = kind(
         config,
@@ -190,15 +131,62 @@ def train(
         announce_setup=True,
     )
     try:
+        return _train(trainer, started)
+    finally:
+        if reporter is not None:
+            reporter.close()
+        stop_workers(workers)
+
+
+def _run_dir(
+    out: str | None,
+    resume: bool,
+    preset: str,
+    workers: Workers,
+    *,
+    s3: S3Options | None,
+    cache_dir: Path | None,
+    adopt: bool,
+) -> RunDir:
+    if resume and out is None:
+        raise UsageError("--resume needs --out: the run directory to continue")
+    if workers.distributed and out is None:
+        out = workers.broadcast(default_run_dir(preset))  # one directory for all workers
+    return RunDir(out or default_run_dir(preset), s3, cache_dir=cache_dir, adopt=adopt)
+
+
+def _init_source(config: TrainConfig, explicit: Mapping[str, Any]) -> InitSource | None:
+    """The checkpoint a new run starts from (``--init-from``), checked against the settings before any data is
+    read."""
+    if not config.init_from:
+        return None
+    init = open_init_source(config.init_from)
+    source = f"the checkpoint ({config.init_from})"
+    if "preset" in explicit:
+        check_preset_shape(config.preset, init.config, source)
+    check_model_changes(config.model, init.config, source)
+    if "moe.routing_warmup_steps" not in explicit:
+        # Its routing is already trained: random routing at the start would only disturb it.
+        config.moe.routing_warmup_steps = 0
+    return init
+
+
+def _reporter(config: TrainConfig, run: RunDir) -> report.Reporter | None:
+    if config.report_to == "none":
+        return None
+    report.require(config.report_to)  # before the slow part: a missing package is one line, now
+    return report.open_reporter(
+        config.report_to, run.local, name=PurePosixPath(run.describe()).name, config=to_dict(config)
+    )
+
+
+def _train(trainer: Trainer, started: float) -> TrainResult:
+    """Set up and train; the result with this process's wall time and throughput, and the run's curves."""
+    workers = trainer.workers
+    try:
         trainer.setup()
         tokens_before, loop_start = trainer.tokens, time.monotonic()
         result = trainer.train()
-        loop_s = time.monotonic() - loop_start
-        result.wall_s = round(time.monotonic() - started, 3)
-        result.tokens_per_s = round((result.tokens - tokens_before) / loop_s, 1) if loop_s > 0 else None
-        if workers.is_main and not run.remote_run:
-            _write_plot(run)
-        return result
     except MemoryError:
         raise LingctlError(
             "out of memory",
@@ -212,10 +200,12 @@ def train(
                 hint="its own error is above; with --max-restarts the job restarts from the last checkpoint",
             ) from None
         raise
-    finally:
-        if reporter is not None:
-            reporter.close()
-        stop_workers(workers)
+    loop_s = time.monotonic() - loop_start
+    result.wall_s = round(time.monotonic() - started, 3)
+    result.tokens_per_s = round((result.tokens - tokens_before) / loop_s, 1) if loop_s > 0 else None
+    if workers.is_main and not trainer.run.remote_run:
+        _write_plot(trainer.run)
+    return result
 
 
 def _records_to(
@@ -241,13 +231,13 @@ def _write_plot(run: RunDir) -> None:
     """RUN/loss.png from the run's metrics; a plotting problem is a warning, never a failed run. The name is
     listed in the run's manifest first: a loss.png lingctl did not write (an adopted directory's) is kept."""
     try:
-        run.place.claim([PLOT_FILE])
+        run.place.claim([PLOT])
     except LingctlError as exc:
         log.warning("the run's curves are not plotted: %s (use 'lingctl train plot RUN -o FILE')", exc)
         return
     try:
-        plot_metrics(read_records(run.local / METRICS), run.local / PLOT_FILE, title=run.describe())
+        plot_metrics(read_records(run.local / METRICS), run.local / PLOT, title=run.describe())
     except ImportError as exc:
-        log.warning("%s not written: matplotlib is not available (%s)", PLOT_FILE, exc)
+        log.warning("%s not written: matplotlib is not available (%s)", PLOT, exc)
     except Exception as exc:  # a plot is a convenience: the run itself succeeded
-        log.warning("%s not written: %s", PLOT_FILE, exc)
+        log.warning("%s not written: %s", PLOT, exc)

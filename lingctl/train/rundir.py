@@ -6,7 +6,7 @@ Layout::
     metrics.jsonl                  one JSON record per step / eval / spike / checkpoint
     checkpoints/step-00000050/     a complete Ling checkpoint (loadable by flood) + state/ + train_config.json
     latest.json                    {"step": 50, "path": "checkpoints/step-00000050"}, written last
-    lingctl-run.json               what lingctl created here (manifest.py), written first
+    lingctl-run.json               what lingctl created here (lingctl.runs.layout), written first
 
 A checkpoint counts only once ``latest.json`` names it, and ``latest.json`` is replaced only after every
 file of the checkpoint is written (and uploaded), so a crash mid-save leaves the previous checkpoint in
@@ -23,31 +23,26 @@ copy when it is complete and verifies, and downloads otherwise. The store has no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.cache import cache_dir as lingctl_cache_dir
 from lingctl.core.errors import LingctlError, NotFoundError, os_error
 from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
 from lingctl.model.checkpoint_files import STATE_DIR, TOKENIZER
 from lingctl.pcache import tier
 from lingctl.runs.layout import (
-    CHECKPOINTS,
+    INCIDENT_FILES,
     LATEST,
     METRICS,
     RUN_FILES,
-    WATCHDOG_FILES,
-    checkpoint_name,
     checkpoint_step,
     parse_latest,
+    staging_dir,
 )
 from lingctl.runs.owned import LocalPlace, OwnedPlace, StorePlace
-
-__all__ = ["CHECKPOINTS", "LATEST", "METRICS", "RunDir", "checkpoint_name", "staging_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +50,6 @@ _FOREIGN_HINT = (
     "choose a new --out, or pass --adopt to add the run's files beside the ones there "
     "(lingctl never overwrites or deletes a file it did not write)"
 )
-
-
-def staging_dir(url: StoreURL, cache_dir: Path | None = None) -> Path:
-    base = Path(cache_dir) if cache_dir is not None else lingctl_cache_dir("runs")
-    return base / hashlib.sha256(str(url).encode()).hexdigest()[:16]
 
 
 class RunDir:
@@ -133,11 +123,11 @@ class RunDir:
             place.open(adopt=self.adopt, resume=False)
             place.claim(RUN_FILES)  # the manifest is the first file written into a new run directory
 
-    def claim_watchdog_files(self) -> None:
-        """List incidents.jsonl and incidents/ as the run's before the watchdog writes them (runs created before
+    def claim_incident_files(self) -> None:
+        """List incidents.jsonl and incidents/ as the run's before an incident is recorded (runs created before
         they existed get them listed on resume)."""
         for place in self._places():
-            place.claim(WATCHDOG_FILES)
+            place.claim(INCIDENT_FILES)
 
     def fetch_for_resume(self, latest: dict[str, Any], *, last_step: int, main: bool = True) -> None:
         """Bring the committed checkpoint, tokenizer and metrics into the local directory. ``main``: this

@@ -1,8 +1,13 @@
-"""Learning-rate and batch-size schedules, pure functions of the optimizer step (so resuming needs no state)."""
+"""Learning-rate, batch-size and routing-warmup schedules, pure functions of the optimizer step (so resuming
+needs no state)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 
 def learning_rate(step: int, *, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -30,3 +35,16 @@ def routing_alpha(step: int, warmup_steps: int) -> float:
     if warmup_steps <= 0 or step >= warmup_steps:
         return 1.0
     return step / warmup_steps
+
+
+def set_routing_warmup(routers: Iterable[Any], alpha: float, *, seed: int, attempt: int) -> None:
+    """Route on ``alpha`` x learned + (1 - alpha) x noise; the noise of each router is keyed by (seed, attempt,
+    layer), so it is identical after a resume with no generator state to save."""
+    for i, router in enumerate(routers):
+        router.warmup_alpha = alpha
+        router.noise_generator = _generator((seed * 1_000_003 + attempt) * 1_009 + i) if alpha < 1.0 else None
+
+
+def _generator(seed: int) -> Any:
+
+    return torch.Generator().manual_seed(seed)

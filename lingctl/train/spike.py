@@ -13,46 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-@dataclass(kw_only=True, slots=True)
-class SpikeConfig:
-    enabled: bool = True
-    # Steps of normal training before the guard may flag anything (the averages need data first).
-    warmup_steps: int = 20
-    ema_beta: float = 0.95
-    loss_z: float = 6.0
-    loss_ratio: float = 1.3  # loss must also exceed ratio * EMA
-    grad_z: float = 6.0
-    grad_ratio: float = 4.0
-    # A skipped batch is retried this many optimizer steps later; a batch that spikes again is dropped.
-    retry_after_steps: int = 20
-    max_retries: int = 1
-    # `max_spikes` spikes within `window_steps` steps lower the LR by `lr_factor` (down to `min_lr_scale`).
-    window_steps: int = 100
-    max_spikes: int = 3
-    lr_factor: float = 0.5
-    min_lr_scale: float = 0.01
-
-    def validate(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"spike.{name} must be {rule}, got {getattr(self, name)!r}")
-
-        for name in ("warmup_steps", "retry_after_steps", "max_retries"):
-            if getattr(self, name) < 0:
-                raise bad(name, "an integer >= 0")
-        for name in ("window_steps", "max_spikes"):
-            if getattr(self, name) < 1:
-                raise bad(name, "an integer >= 1")
-        for name in ("loss_z", "loss_ratio", "grad_z", "grad_ratio"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise bad(name, "a finite number > 0")
-        if not 0.0 < self.ema_beta < 1.0:
-            raise bad("ema_beta", "in (0, 1)")
-        if not 0.0 < self.lr_factor <= 1.0:
-            raise bad("lr_factor", "in (0, 1]")
-        if not 0.0 < self.min_lr_scale <= 1.0:
-            raise bad("min_lr_scale", "in (0, 1]")
+from lingctl.runs.train_config import SpikeConfig
 
 
 @dataclass(slots=True)

@@ -190,12 +190,12 @@ def test_edit_time_based_with_a_slow_and_a_corrupted_worker_checkpoints_at_syncs
     assert sum(r["local_steps"][1] for r in syncs) < sum(r["local_steps"][0] for r in syncs), syncs
     assert syncs[-1]["total_local_steps"] >= 48  # the budget: 24 synchronous steps of 2 workers
     # The corrupted worker's pseudo-gradient (x100) got the smaller weight at every sync, and a negligible one
-    # once the deltas had grown over several local steps (weights are softmax(-norm): on a busy machine a sync
-    # may come after a single tiny step, where 100x a tiny norm is still small), and the loss did not spike.
+    # once the deltas had grown over more than one local step (weights are softmax(-norm): on a busy machine a
+    # sync may come after a single tiny step, where 100x a tiny norm is still small), and the loss did not spike.
     detail = [(r["local_steps"], r["weights"]) for r in syncs]
     assert all(r["weights"][1] < r["weights"][0] for r in syncs), detail
-    assert all(r["weights"][1] < 1e-3 for r in syncs if min(r["local_steps"]) >= 3), detail
-    assert any(min(r["local_steps"]) >= 3 for r in syncs), detail
+    assert all(r["weights"][1] < 1e-3 for r in syncs if min(r["local_steps"]) >= 2), detail
+    assert any(min(r["local_steps"]) >= 2 for r in syncs), detail
     # Each worker's own throughput: the slowed one is the slower.
     rates = [r["worker_tokens_per_s"] for r in syncs]
     assert sum(x[1] for x in rates) < sum(x[0] for x in rates), rates

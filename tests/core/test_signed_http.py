@@ -14,13 +14,8 @@ from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.net import free_port
 from lingctl.core.storage.retry import is_throttle
 from lingctl.core.storage.s3.client import S3Options, make_client, translate
-from lingctl.core.storage.s3.signed_http import (
-    S3ConnectionError,
-    S3HTTPError,
-    SignedS3Client,
-    as_reply,
-    user_metadata,
-)
+from lingctl.core.storage.s3.reply import S3ConnectionError, S3HTTPError, as_reply, user_metadata
+from lingctl.core.storage.s3.signed_http import SignedS3Client
 from tests.support.fault_proxy import FaultProxy, FaultRequest, first_n
 
 DATA = os.urandom(40_000)

@@ -1,7 +1,7 @@
 import pytest
 
 from lingctl.core.errors import UsageError
-from lingctl.core.units import format_duration, format_size, parse_duration, parse_size
+from lingctl.core.units import format_duration, format_whole_duration, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,11 @@ def test_bad_durations_name_the_text(text, why) -> None:
 def test_format_duration(seconds: float, shown: str) -> None:
     assert format_duration(seconds) == shown
     assert format_duration(float("inf")) == "-"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"), [(0.004, "0s"), (0.6, "1s"), (42.4, "42s"), (60, "1m0s"), (75, "1m15s"), (3600, "1h0m0s")]
+)
+def test_an_eta_or_a_wall_time_is_whole_seconds_as_rclone_writes_it(seconds: float, shown: str) -> None:
+    assert format_whole_duration(seconds) == shown
+    assert format_whole_duration(float("nan")) == "-"

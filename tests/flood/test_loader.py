@@ -8,6 +8,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,13 +16,14 @@ import torch
 from lingctl.core.errors import LingctlError
 from lingctl.flood.batch.run import FloodOptions, run_batch
 from lingctl.flood.engine.experts import stack_of
+from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.weights.loader import load_streaming
 from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.flood.weights.quantize import Int8Linear, quantize_model_
 from lingctl.model.checkpoint import load_config, model_state, save_checkpoint, weight_files
 from lingctl.model.checkpoint_files import WEIGHTS_INDEX
 from lingctl.model.config import LingConfig
-from lingctl.model.ling import LingForCausalLM
+from lingctl.model.ling import DecoderLayer, LingForCausalLM
 from lingctl.model.presets import preset
 from lingctl.model.safetensors_io import load_safetensors, read_entries, write_safetensors
 from tests.conftest import run_lingctl
@@ -145,7 +147,11 @@ def test_pipeline_stages_load_only_their_layers(tiny_dirs, layers, file) -> None
     path = tiny_dirs[file]
     got = ModelDir.open(path).load(dtype=torch.float32, quantize="int8", layers=layers)
     assert_same_bits(old_load(path, torch.float32, "int8", layers), got)
-    loaded = {i for i, layer in enumerate(got.model.layers) if layer.input_layernorm.weight.device.type != "meta"}
+    loaded = {
+        i
+        for i, layer in enumerate(got.model.layers)
+        if cast(DecoderLayer, layer).input_layernorm.weight.device.type != "meta"
+    }
     assert loaded == set(range(*layers))
 
 
@@ -162,7 +168,7 @@ def test_experts_are_views_of_the_attached_stack(tiny_dirs) -> None:
         assert stack.gate_up_EXD.transpose(1, 2).is_contiguous() and stack.down_EDI.transpose(1, 2).is_contiguous()
         assert stack.gate_up_scale_EX is not None and stack.gate_up_scale_EX.dtype == torch.bfloat16
         for i, expert in enumerate(block.experts):
-            gate, up, down = expert.gate_proj, expert.up_proj, expert.down_proj
+            gate, up, down = expert.gate_proj, cast(Int8Linear, expert.up_proj), cast(Int8Linear, expert.down_proj)
             assert isinstance(gate, Int8Linear)
             assert gate.weight_q.data_ptr() == stack.gate_up_EXD[i].data_ptr()
             assert up.weight_q.data_ptr() == stack.gate_up_EXD[i, width:].data_ptr()
@@ -171,7 +177,7 @@ def test_experts_are_views_of_the_attached_stack(tiny_dirs) -> None:
     fp = ModelDir.open(tiny_dirs["bf16"]).load(dtype=torch.float32)
     stack = stack_of(fp.moe_blocks()[0])
     assert stack is not None and not stack.quantized and stack.gate_up_EXD.dtype == torch.float32
-    assert fp.moe_blocks()[0].experts[3].down_proj.weight.data_ptr() == stack.down_EDI[3].data_ptr()
+    assert fp.moe_blocks()[0].expert(3).down_proj.weight.data_ptr() == stack.down_EDI[3].data_ptr()
 
 
 # -- bad files --------------------------------------------------------------------------------------------
@@ -215,7 +221,7 @@ def test_a_header_whose_offsets_lie_is_one_line(tiny_dirs, tmp_path) -> None:
 
 # -- at Ling-lite width: memory against the plan ----------------------------------------------------------
 
-LITE_WIDTH = dict(
+LITE_WIDTH: dict[str, Any] = dict(
     hidden_size=2048,
     num_attention_heads=16,
     num_key_value_heads=4,
@@ -324,7 +330,7 @@ def test_a_model_too_big_is_refused_before_any_weight_byte_is_read(tmp_path) -> 
     path.mkdir()
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in model_state(LingForCausalLM(dataclasses.replace(config))).items()}
-    header = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in sorted(shapes):
         nbytes = math.prod(shapes[name]) * 2
@@ -338,7 +344,7 @@ def test_a_model_too_big_is_refused_before_any_weight_byte_is_read(tmp_path) -> 
     config.save(path / "config.json")
     before = _rchar()
     with pytest.raises(LingctlError, match="of weights") as info:
-        run_batch(FloodOptions(batch=_batch(tmp_path, 2, 8), model=path, dtype="bfloat16"))
+        run_batch(FloodOptions(batch=_batch(tmp_path, 2, 8), model=path, engine=EngineOptions(dtype="bfloat16")))
     assert "\n" not in info.value.message and info.value.hint == "try --quantize int8"
     assert _rchar() - before < 2**20  # config, batch file, a header at most
     assert not (tmp_path / "batch-2x8.output.jsonl").exists()

@@ -7,6 +7,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,7 +83,7 @@ def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):
     units = torch.tensor([[0, 1, 0, len(keys0)], [1, 16, len(keys0), len(keys1)]])
     keys = torch.tensor(keys0 + keys1)
     out = torch.zeros(20, heads, dh)
-    kernels.attention(q, k_pool, v_pool, units, keys, dh**-0.5, out, len(keys1))
+    kernels.attention(q, k_pool, v_pool, native.UnitTable.of(units, keys, len(keys1)), dh**-0.5, out)
 
     def sdpa(rows, slots, causal):
         kk = k_pool[slots].transpose(0, 1)[None]
@@ -96,9 +98,59 @@ def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):
     assert torch.allclose(out[1:17], sdpa(list(range(1, 17)), keys1, True), atol=1e-5)
     assert torch.equal(out[17:], torch.zeros(3, heads, dh))  # rows no unit covers are left alone
     alone = torch.zeros(20, heads, dh)
-    kernels.attention(q, k_pool, v_pool, units[:1], keys, dh**-0.5, alone, len(keys0))
+    kernels.attention(q, k_pool, v_pool, native.UnitTable.of(units[:1], keys, len(keys0)), dh**-0.5, alone)
     assert torch.equal(alone[0], out[0])
     assert math.isfinite(float(out.abs().sum()))
+
+
+# Run with ``python -O``, which strips ``assert``: each call breaks one precondition of the kernels and must
+# still be refused before the library touches memory.
+_BAD_CALLS = """
+import sys
+import torch
+from lingctl.flood.engine import native
+
+if not sys.flags.optimize:
+    raise SystemExit("not running under -O")
+k = native.kernels()
+if k is None:
+    raise SystemExit(f"the kernels did not build: {native.why_unavailable()}")
+gate_up, down = torch.zeros(4, 32, 64), torch.zeros(4, 32, 32)
+x, idx, w = torch.zeros(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+q, pool, out = torch.zeros(2, 4, 32), torch.zeros(10, 2, 32), torch.zeros(2, 4, 32)
+units, keys = torch.tensor([[0, 2, 0, 3]]), torch.tensor([1, 2, 3])
+table = native.UnitTable.of(units, keys, 3)
+calls = {
+    "float64 input": lambda: k.moe(x.double(), idx, w, gate_up, down),
+    "down of another shape": lambda: k.moe(x, idx, w, gate_up, down[:, :16]),
+    "weights not contiguous": lambda: k.moe(x, idx, w, torch.zeros(4, 64, 32).transpose(1, 2), down),
+    "routing weights of another shape": lambda: k.moe(x, idx, w[:2], gate_up, down),
+    "float64 queries": lambda: k.attention(q.double(), pool, pool, table, 0.1, out),
+    "output of another shape": lambda: k.attention(q, pool, pool, table, 0.1, out[:1]),
+    "queries past the rows": lambda: k.attention(q[:1], pool, pool, table, 0.1, out[:1]),
+    "a key past the pool": lambda: k.attention(q, pool[:3], pool[:3], table, 0.1, out),
+    "int32 units": lambda: native.UnitTable.of(units.int(), keys, 3),
+    "more keys than the buffer": lambda: native.UnitTable.of(units, keys, 2),
+    "keys past the table": lambda: native.UnitTable.of(torch.tensor([[0, 2, 1, 3]]), keys, 3),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except ValueError as exc:
+        print(f"{name}: {exc}")
+    else:
+        raise SystemExit(f"{name}: no ValueError")
+print(f"refused {len(calls)}")
+"""
+
+
+def test_bad_calls_are_refused_even_under_python_O(kernels, tmp_path):
+    env = {**os.environ, "LINGCTL_CACHE_DIR": str(tmp_path)}
+    env.pop(native.ENV_SWITCH, None)
+    res = subprocess.run([sys.executable, "-O", "-c", _BAD_CALLS], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "refused 11" in res.stdout
+    assert list((tmp_path / "native").glob("flood_kernels-*.so"))  # built afresh, header and all
 
 
 def _tokens(model, prompts):

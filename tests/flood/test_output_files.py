@@ -67,7 +67,7 @@ def answered(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     batch = write_jsonl(
         d / "b.jsonl", [{"custom_id": f"r{i}", "prompt": [5 + i, 6], "max_tokens": 2} for i in range(3)]
     )
-    summary = run_batch(FloodOptions(batch=batch, model=tiny_ckpt, threads=1))
+    summary = run_batch(FloodOptions(batch=batch, model=tiny_ckpt, engine=EngineOptions(threads=1)))
     assert summary.succeeded == 3
     return batch, d / "b.output.jsonl"
 

@@ -12,6 +12,7 @@ import pytest
 
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
 from lingctl.flood.batch.run import FloodOptions, run_batch
+from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.text.chat_template import TemplateLimits
 from tests.flood.conftest import CHAT_TEMPLATE
 
@@ -50,7 +51,11 @@ def hostile_run(text_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     ]
     (tmp / "b.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     opts = FloodOptions(
-        batch=tmp / "b.jsonl", model=text_ckpt, chat_template=tmp / "t.jinja", template_limits=LIMITS, threads=1
+        batch=tmp / "b.jsonl",
+        model=text_ckpt,
+        chat_template=tmp / "t.jinja",
+        template_limits=LIMITS,
+        engine=EngineOptions(threads=1),
     )
     started = time.monotonic()
     summary = run_batch(opts)

@@ -16,6 +16,7 @@ from lingctl.flood.batch.run import FloodOptions, run_batch
 from lingctl.flood.engine import cpu_load
 from lingctl.flood.engine.cpu_load import CpuBudget, CpuLoad, LoadMeter, measure, read_budget
 from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.engine.sampling import SamplingParams
 from lingctl.flood.engine.threads import (
     THREAD_INVARIANT_DTYPES,
@@ -220,7 +221,9 @@ def test_a_run_reports_its_threads_and_restores_the_count(tiny_ckpt: Path, tmp_p
         )
     )
     before = torch.get_num_threads()
-    summary = run_batch(FloodOptions(batch=batch, model=tiny_ckpt, out=tmp_path / "out.jsonl", dtype=dtype))
+    summary = run_batch(
+        FloodOptions(batch=batch, model=tiny_ckpt, out=tmp_path / "out.jsonl", engine=EngineOptions(dtype=dtype))
+    )
     assert torch.get_num_threads() == before
     assert summary.succeeded == 2
     t = summary.threads
@@ -236,4 +239,4 @@ def test_a_negative_thread_count_is_a_usage_error(tiny_ckpt: Path, tmp_path: Pat
     batch = tmp_path / "batch.jsonl"
     batch.write_text(json.dumps({"custom_id": "a", "prompt": [5, 6], "max_tokens": 1}) + "\n")
     with pytest.raises(UsageError, match="--threads must be >= 0"):
-        run_batch(FloodOptions(batch=batch, model=tiny_ckpt, threads=-1))
+        run_batch(FloodOptions(batch=batch, model=tiny_ckpt, engine=EngineOptions(threads=-1)))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from lingctl.model.config import LingConfig
 from lingctl.model.layers import MLP
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.moe import (
+    Dispatch,
     Router,
     SparseMoeBlock,
     dispatch_grouped,
@@ -21,8 +23,8 @@ from lingctl.model.moe import (
 needs_grouped_mm = pytest.mark.skipif(not grouped_mm_available(), reason="torch._grouped_mm not in this torch")
 
 
-def moe_config(**overrides: object) -> LingConfig:
-    fields: dict[str, object] = dict(
+def moe_config(**overrides: Any) -> LingConfig:
+    fields: dict[str, Any] = dict(
         vocab_size=64,
         hidden_size=16,
         num_hidden_layers=2,
@@ -39,7 +41,7 @@ def moe_config(**overrides: object) -> LingConfig:
         norm_head=False,
     )
     fields.update(overrides)
-    config = LingConfig(**fields)  # type: ignore[arg-type]
+    config = LingConfig(**fields)
     config.validate()
     return config
 
@@ -125,11 +127,20 @@ def run_dispatch(
     expert_grads = torch.cat(
         [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in experts.parameters()]
     )
+    assert x.grad is not None and weight.grad is not None
     return y.detach(), x.grad, weight.grad, expert_grads
 
 
+def prefixed(name: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that names what is compared."""
+    return lambda m: f"{name}: {m}"
+
+
+WideMoe = tuple[nn.ModuleList, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @pytest.fixture(scope="module")
-def wide_moe() -> tuple[nn.ModuleList, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def wide_moe() -> WideMoe:
     """Ling-lite's 64 experts top-6 over 50 tokens, so expert loads are uneven and some are empty."""
     config = moe_config(hidden_size=32, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=16)
     torch.manual_seed(0)
@@ -141,27 +152,27 @@ def wide_moe() -> tuple[nn.ModuleList, torch.Tensor, torch.Tensor, torch.Tensor,
     return experts, x, route.topk_idx_TK, route.topk_weight_TK, grad_out
 
 
-def test_sorted_dispatch_equals_naive(wide_moe) -> None:
+def test_sorted_dispatch_equals_naive(wide_moe: WideMoe) -> None:
     experts, x, idx, weight, grad_out = wide_moe
     naive = run_dispatch(dispatch_naive, x, idx, weight, experts, grad_out)
     sorted_ = run_dispatch(dispatch_sorted, x, idx, weight, experts, grad_out)
     assert naive[0].abs().max() > 0.1
     assert (torch.bincount(idx.reshape(-1), minlength=64) == 0).any()  # the empty-expert path runs too
     for name, a, b in zip(("output", "grad x", "grad weight", "grad experts"), sorted_, naive):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=prefixed(name))
 
 
 @needs_grouped_mm
-def test_grouped_dispatch_matches_naive(wide_moe) -> None:
+def test_grouped_dispatch_matches_naive(wide_moe: WideMoe) -> None:
     experts, x, idx, weight, grad_out = wide_moe
     naive = run_dispatch(dispatch_naive, x, idx, weight, experts, grad_out)
     grouped = run_dispatch(dispatch_grouped, x, idx, weight, experts, grad_out)
     for name, a, b in zip(("output", "grad x", "grad weight", "grad experts"), grouped, naive):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=prefixed(name))
 
 
 @needs_grouped_mm
-def test_dispatches_under_bf16_autocast(wide_moe) -> None:
+def test_dispatches_under_bf16_autocast(wide_moe: WideMoe) -> None:
     experts, x, idx, weight, _ = wide_moe
     with torch.no_grad():
         reference = dispatch_naive(x, idx, weight, experts)
@@ -178,10 +189,11 @@ def test_dispatches_under_bf16_autocast(wide_moe) -> None:
 
 
 @pytest.mark.parametrize("dispatch", ["naive", "sorted", pytest.param("grouped", marks=needs_grouped_mm)])
-def test_experts_without_tokens(dispatch: str) -> None:
+def test_experts_without_tokens(dispatch: Dispatch) -> None:
     config = moe_config(num_experts=8, num_experts_per_tok=2)
     block = seeded_block(config, seed=1)
-    block.dispatch = dispatch  # type: ignore[assignment]
+    assert block.shared_experts is not None
+    block.dispatch = dispatch
     with torch.no_grad():
         # Feature 0 is a constant 1 and only experts 2 and 5 read it: they win for every token.
         block.gate.weight.zero_()
@@ -197,9 +209,10 @@ def test_experts_without_tokens(dispatch: str) -> None:
     torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    assert block.experts[2].down_proj.weight.grad.abs().sum() > 0
+    grad = block.expert(2).down_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
     for e in (0, 1, 3, 4, 6, 7):
-        grad = block.experts[e].down_proj.weight.grad
+        grad = block.expert(e).down_proj.weight.grad
         assert grad is None or torch.count_nonzero(grad) == 0, e
 
 
@@ -209,6 +222,7 @@ def test_experts_without_tokens(dispatch: str) -> None:
 def test_block_is_routed_part_plus_ungated_shared_expert() -> None:
     config = moe_config()
     block = seeded_block(config, seed=2)
+    assert block.shared_experts is not None
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         y, route = block(x)
@@ -217,7 +231,7 @@ def test_block_is_routed_part_plus_ungated_shared_expert() -> None:
         torch.testing.assert_close(y, routed + block.shared_experts(x), atol=1e-6, rtol=1e-5)
         # With every routed expert silenced the output is the shared expert alone, bit for bit.
         for expert in block.experts:
-            expert.down_proj.weight.zero_()
+            cast(MLP, expert).down_proj.weight.zero_()
         y, _ = block(x)
         assert torch.equal(y, block.shared_experts(x))
         assert y.abs().max() > 0
@@ -240,6 +254,12 @@ def warmup_router(alpha: float, seed: int) -> Router:
     router.warmup_alpha = alpha
     router.noise_generator = torch.Generator().manual_seed(123)
     return router
+
+
+def logit_stats(router: Router) -> tuple[float, float]:
+    """The router's running logit mean and std, which its first training forward sets."""
+    assert router.logit_mean is not None and router.logit_std is not None
+    return router.logit_mean, router.logit_std
 
 
 def test_warmup_alpha_zero_ignores_the_learned_direction() -> None:
@@ -278,18 +298,20 @@ def test_warmup_blend_uses_running_logit_statistics() -> None:
             # The first call initialises the statistics from the batch itself.
             assert router.logit_mean == pytest.approx(learned.mean().item(), abs=1e-6)
             assert router.logit_std == pytest.approx(learned.std().item(), rel=1e-5)
-            first = (router.logit_mean, router.logit_std)
+            first = logit_stats(router)
         else:
             m = router.stats_momentum
             assert router.logit_mean == pytest.approx(m * first[0] + (1 - m) * learned.mean().item(), abs=1e-6)
         drawn = torch.randn(12, 8, generator=noise)
-        routed = 0.5 * learned + 0.5 * (drawn * router.logit_std + router.logit_mean)
+        mean, std = logit_stats(router)
+        routed = 0.5 * learned + 0.5 * (drawn * std + mean)
         torch.testing.assert_close(out.probs_TE, routed.softmax(-1), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out.logits_TE, learned)
 
 
 def test_warmup_alpha_one_is_plain_routing() -> None:
     router = warmup_router(1.0, 0)
+    assert router.noise_generator is not None
     state = router.noise_generator.get_state()
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
@@ -351,11 +373,13 @@ def test_norm_head_gradient_skips_the_norm() -> None:
     grad_out = torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(2))
     model.logits(hidden).backward(grad_out)
     got = model.lm_head.weight.grad
+    assert got is not None
 
     def grad_with(detach_norm: bool) -> torch.Tensor:
         w = model.lm_head.weight.detach().clone().requires_grad_()
         norm = torch.linalg.vector_norm(w.detach() if detach_norm else w, dim=0, keepdim=True) + 1e-7
         (hidden @ (w / norm).T).backward(grad_out)
+        assert w.grad is not None
         return w.grad
 
     torch.testing.assert_close(got, grad_with(detach_norm=True), atol=1e-6, rtol=1e-5)

@@ -25,7 +25,7 @@ from lingctl.runs.records import read_records
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory, text_corpus: Path) -> Path:
     """A finished 4-step tiny run with checkpoints at steps 2 and 4 (trained in-process: a few seconds)."""
-    from lingctl.train.config import DataConfig, TrainConfig
+    from lingctl.runs.train_config import DataConfig, TrainConfig
     from lingctl.train.rundir import RunDir
     from lingctl.train.trainer import Trainer
 

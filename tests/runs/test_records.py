@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lingctl.core.errors import NotFoundError
+from lingctl.runs.incidents import Incident, append
+from lingctl.runs.incidents import read as read_incidents
 from lingctl.runs.records import cut_back, lines, read_records
-from lingctl.train.supervise.incidents import Incident, append
-from lingctl.train.supervise.incidents import read as read_incidents
 
 
 def step(n: int, **changes: object) -> dict:

@@ -9,18 +9,27 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lingctl.train.edit import EditConfig, EditSynchronizer
+from lingctl.runs.train_config import EditConfig
+from lingctl.train.edit import EditSynchronizer
 from tests.support.dist import run_workers
 
 V, D, K = 32, 8, 4  # vocabulary, width, local steps per sync
-EXACT = dict(outer_lr=1.0, outer_momentum=0.0, clip_norm=None)  # the outer step returns the average itself
+
+
+class ExactOuterStep(TypedDict):
+    outer_lr: float
+    outer_momentum: float
+    clip_norm: float | None
+
+
+EXACT = ExactOuterStep(outer_lr=1.0, outer_momentum=0.0, clip_norm=None)  # the outer step returns the average itself
 
 
 def tiny_model() -> nn.Sequential:
@@ -28,7 +37,7 @@ def tiny_model() -> nn.Sequential:
     return nn.Sequential(nn.Embedding(V, D), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
 
 
-def units(model: nn.Sequential) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def units(model: nn.Sequential) -> list[tuple[nn.Module, list[torch.Tensor]]]:
     return [(m, list(m.parameters())) for m in model if any(True for _ in m.parameters())]
 
 
@@ -38,7 +47,9 @@ class Replica:
     def __init__(self, config: EditConfig | None, seed: int, *, delta_scale: float = 1.0) -> None:
         self.model = tiny_model()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05)
-        self.sync = None if config is None else EditSynchronizer(units(self.model), config, delta_scale=delta_scale)
+        self.sync: EditSynchronizer | None = (
+            None if config is None else EditSynchronizer(units(self.model), config, delta_scale=delta_scale)
+        )
         self.seed, self.step = seed, 0
 
     def train_step(self) -> None:
@@ -95,6 +106,7 @@ def _two_workers(rank: int, world: int) -> dict[str, Any]:
     # Different data: layer-wise (arm + a training step + finish) against whole-model, in lockstep.
     whole = Replica(EditConfig(), seed=rank + 1)
     layer = copy.deepcopy(whole)
+    assert whole.sync is not None and layer.sync is not None
     for _ in range(3):
         whole.round(layerwise=False)
         layer.round(layerwise=True)
@@ -105,6 +117,7 @@ def _two_workers(rank: int, world: int) -> dict[str, Any]:
     out["params"] = sum(p.numel() for p in whole.model.parameters())
     # A unit the forward never reaches is completed by finish().
     partial = copy.deepcopy(whole)
+    assert partial.sync is not None
     for _ in range(K):
         whole.train_step()
         partial.train_step()
@@ -136,11 +149,13 @@ def _two_workers(rank: int, world: int) -> dict[str, Any]:
     # A small clip: the averaged delta of every unit is capped; with lr 1 and no momentum it is what the
     # anchor moves by.
     clipped = Replica(EditConfig(outer_lr=1.0, outer_momentum=0.0, clip_norm=0.05), seed=rank + 1)
+    assert clipped.sync is not None
     out["clip"] = []
     for _ in range(2):
         before = [a.clone() for a in clipped.sync.anchor]
         clipped.round()
         moved = [float(torch.linalg.vector_norm(b - a)) for b, a in zip(before, clipped.sync.anchor)]
+        assert clipped.sync.last is not None
         out["clip"].append((clipped.sync.last.delta_norms, moved, clipped.sync.last.clipped))
     return out
 
@@ -210,6 +225,7 @@ def _three_workers(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Bad from the first sync: the z-test is still warming up, the softmax alone mutes it.
     r = Replica(EditConfig(), seed=rank + 1, delta_scale=100.0 if rank == BAD else 1.0)
+    assert r.sync is not None
     out["softmax"] = []
     for _ in range(2):
         r.round()
@@ -219,6 +235,7 @@ def _three_workers(rank: int, world: int) -> dict[str, Any]:
     # turns bad after the warm-up.
     config = EditConfig(**EXACT, weight_temperature=1e6, anomaly_warmup=2, anomaly_threshold=10.0)
     r = Replica(config, seed=rank + 1)
+    assert r.sync is not None
     out["dropped"] = []
     for i in range(4):
         if i == 3 and rank == BAD:
@@ -229,8 +246,10 @@ def _three_workers(rank: int, world: int) -> dict[str, Any]:
         thetas = [torch.empty_like(anchor) for _ in range(world)]
         dist.all_gather(thetas, r.flat())
         r.sync.sync_now()
+        assert r.sync.last is not None
         out["dropped"].append(r.sync.last.dropped)
     # The good workers' weighted average, from their deltas and the weights the sync reported.
+    assert r.sync.last is not None
     weights, sizes = r.sync.last.weights, [a.numel() for a in r.sync.anchor]
     expected = []
     for u, (anchor_u, *thetas_u) in enumerate(zip(anchor.split(sizes), *(t.split(sizes) for t in thetas))):
@@ -289,6 +308,7 @@ def test_one_worker_with_the_exact_outer_step_reproduces_plain_training_bit_for_
         for _ in range(K + 1):
             plain.train_step()
         assert torch.equal(edit.flat(), plain.flat())
+    assert edit.sync is not None and edit.sync.last is not None
     assert edit.sync.last.weights == [[1.0]] * 4 and edit.sync.last.bytes_sent == 0
 
 
@@ -300,7 +320,7 @@ def test_layerwise_sync_on_the_ling_model_matches_sync_now() -> None:
         model = LingForCausalLM(preset("tiny"))
         model.init_weights(torch.Generator().manual_seed(0))
         m = model.model
-        ling_units = [(m.word_embeddings, [m.word_embeddings.weight])]
+        ling_units: list[tuple[nn.Module, list[torch.Tensor]]] = [(m.word_embeddings, [m.word_embeddings.weight])]
         ling_units += [(layer, list(layer.parameters())) for layer in m.layers]
         ling_units.append((m.norm, [m.norm.weight, model.lm_head.weight]))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2), EditSynchronizer(ling_units, EditConfig())
@@ -323,6 +343,7 @@ def test_layerwise_sync_on_the_ling_model_matches_sync_now() -> None:
     assert sb.syncs == 1  # completed inside the forward, by the hooks
     sb.finish()
     assert all(torch.equal(a, b) for a, b in zip(ma.parameters(), mb.parameters()))
+    assert sa.last is not None and sb.last is not None
     assert same_state(sa, sb) and sa.last.delta_norms == sb.last.delta_norms
 
 
@@ -343,7 +364,7 @@ def test_layerwise_sync_on_the_ling_model_matches_sync_now() -> None:
     ],
 )
 def test_bad_config_values_are_refused_with_the_value_named(field: str, value: float) -> None:
-    config = EditConfig(**{field: value})
+    config = EditConfig(**cast(dict[str, Any], {field: value}))
     with pytest.raises(ValueError, match=f"edit.{field} .* got {value!r}"):
         config.validate()
     with pytest.raises(ValueError, match=field):
@@ -354,15 +375,18 @@ def test_units_must_cover_each_parameter_exactly_once() -> None:
     model = tiny_model()
     good = units(model)
     with pytest.raises(ValueError, match="in EDiT units 0 and 1"):
-        EditSynchronizer([good[0], (model[1], [*model[1].parameters(), model[0].weight])], EditConfig())
+        EditSynchronizer(
+            [good[0], (model[1], [*model[1].parameters(), cast(nn.Embedding, model[0]).weight])], EditConfig()
+        )
     with pytest.raises(ValueError, match="'bias' of EDiT unit 1"):
-        EditSynchronizer([good[0], (model[1], [model[1].weight])], EditConfig())
+        EditSynchronizer([good[0], (model[1], [cast(nn.Linear, model[1]).weight])], EditConfig())
     with pytest.raises(ValueError, match="delta_scale .* got 0.0"):
         EditSynchronizer(good, EditConfig(), delta_scale=0.0)
 
 
 def test_a_sync_in_progress_blocks_state_access_until_finish() -> None:
     r = Replica(EditConfig(), seed=1)
+    assert r.sync is not None
     for _ in range(K):
         r.train_step()
     r.sync.arm()
@@ -374,8 +398,9 @@ def test_a_sync_in_progress_blocks_state_access_until_finish() -> None:
 
 def test_a_non_finite_pseudo_gradient_everywhere_is_an_error_not_a_silent_nan_model() -> None:
     r = Replica(EditConfig(), seed=1)
+    assert r.sync is not None
     with torch.no_grad():
-        r.model[1].weight[0, 0] = float("nan")
+        cast(nn.Linear, r.model[1]).weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="unit 1"):
         r.sync.sync_now()
     r.sync.state_dict()  # nothing left pending

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import math
 
-from lingctl.train.spike import SpikeConfig, SpikeGuard
+from lingctl.runs.train_config import SpikeConfig
+from lingctl.train.spike import SpikeGuard
 
 
 def warmed(config: SpikeConfig, n: int = 30) -> SpikeGuard:

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from lingctl.train.config import DataConfig, TrainConfig
+from lingctl.runs.incidents import read as read_incidents
+from lingctl.runs.train_config import DataConfig, SpikeConfig, TrainConfig
+from lingctl.train.recovery import TrainingDiverged
 from lingctl.train.rundir import RunDir
 from lingctl.train.schedule import learning_rate
-from lingctl.train.spike import SpikeConfig
-from lingctl.train.supervise.incidents import read as read_incidents
-from lingctl.train.trainer import Trainer, TrainingDiverged
+from lingctl.train.trainer import Trainer
 
 
 def make(tmp_path: Path, corpus: Path, **kw: Any) -> tuple[Trainer, list[dict]]:

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from lingctl.core.errors import UsageError
+from lingctl.runs.incidents import Incident, append
+from lingctl.runs.metrics_tail import MetricsTail
 from lingctl.train.supervise.agent import JobOptions, backoff_s, restartable
 from lingctl.train.supervise.divergence import attempt_ending, give_up_reason
-from lingctl.train.supervise.incidents import Incident, append
-from lingctl.train.supervise.watchdog import MIN_HANG_TIMEOUT_S, MetricsTail, hang_timeout
+from lingctl.train.supervise.hang_detector import MIN_HANG_TIMEOUT_S, hang_timeout
 
 
 def test_crashes_and_hangs_restart_but_bad_input_and_stops_never_do() -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from lingctl.core.errors import UsageError
 from lingctl.train.data import BatchOrder
-from lingctl.train.workers import _relay, job_exit_code, launch_argv, strided_rows, worker_args
+from lingctl.train.supervise.launch import worker_args
+from lingctl.train.supervise.torchrun import job_exit_code, launch_argv, relay_stderr
+from lingctl.train.workers import strided_rows
 
 
 def test_workers_read_disjoint_rows_that_together_are_the_global_order() -> None:
@@ -69,7 +71,7 @@ Root Cause (first observed failure):
 def test_the_job_exits_with_the_failed_workers_own_code_not_its_peers(capsys) -> None:
     codes: list[int] = []
     failures: list[tuple[int, int]] = []
-    _relay(io.StringIO(REPORT), codes, failures)
+    relay_stderr(io.StringIO(REPORT), codes, failures)
     assert codes == [1, 3]  # the root cause first, as torchrun observed it
     assert failures == [(1, 1), (0, 3)]  # with the failed workers' ranks
     assert job_exit_code(codes) == 3

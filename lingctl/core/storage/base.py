@@ -24,6 +24,7 @@ from lingctl.core.storage.url import StoreURL
 if TYPE_CHECKING:
     from lingctl.core.checksum import Crc64
     from lingctl.core.storage.crawl import Listed, ListStats, OnUnreadable
+    from lingctl.core.storage.retry import Counters
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,12 @@ class ObjectStore(ABC):
 
     @property
     def local_root(self) -> Path | None:
+        return None
+
+    @property
+    def request_counters(self) -> Counters | None:
+        """The requests this store sent, retries included, for a run's report (listings count theirs into
+        their ``ListStats``); None for a store that sends none."""
         return None
 
     @abstractmethod

@@ -21,6 +21,7 @@ from typing import Any
 
 from lingctl.core.errors import LingctlError
 from lingctl.core.names import printable
+from lingctl.core.storage.retry import Counters
 
 log = logging.getLogger("lingctl.babel.listing")
 
@@ -34,9 +35,10 @@ class Listed:
 
 
 @dataclass(slots=True)
-class ListStats:
-    requests: int = 0  # HTTP List requests sent, retries included (S3) / directories scanned (local)
-    retries: int = 0
+class ListStats(Counters):
+    """A listing's counts. Its ``Counters``: the List requests sent, retries included, as an S3 listing's
+    ``Retrier`` counts them (for a local tree, ``requests`` is the directories scanned)."""
+
     objects: int = 0
     unreadable: int = 0  # directories (or entries) that could not be read and were left out
 

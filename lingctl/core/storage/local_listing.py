@@ -53,45 +53,55 @@ class LocalLister:
         batch: list[Listed] = []
         with it:
             for entry in it:
-                name = entry.name
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        if name not in self.skip_dirs:
-                            crawl.add((entry.path, f"{rel}{name}/"))
-                        continue
-                    if is_tmp_name(name):  # an unfinished atomic write of lingctl's
-                        continue
-                    if entry.is_symlink():
-                        st = self._link_target(entry.path)
-                        if st is None:
-                            continue
-                    elif entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                    else:  # sockets, FIFOs, devices
-                        continue
-                except FileNotFoundError:
+                listed = self._object(entry, rel, crawl)
+                if listed is None:
                     continue
-                except OSError as exc:  # e.g. a directory that can be listed but not searched (mode r--)
-                    crawl.unreadable(entry.path, os_error(exc, entry.path))
-                    continue
-                if not name.isascii() and not _utf8(name):
-                    # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is. It is not
-                    # skipped in silence: like an unreadable entry it fails the run (exit 1) and, since the
-                    # listing is then incomplete, a sync deletes nothing. rclone would encode it instead.
-                    crawl.unreadable(
-                        entry.path,
-                        UsageError(
-                            f"{printable(entry.path)}: the name is not valid UTF-8, so it cannot be copied as a key",
-                            hint="rename it (e.g. convmv -f latin1 -t utf8), or leave it out with --exclude",
-                        ),
-                    )
-                    continue
-                batch.append(Listed(rel + name, st.st_size, st.st_mtime))
+                batch.append(listed)
                 if len(batch) >= _BATCH:
                     crawl.emit(batch)
                     batch = []
         if batch:
             crawl.emit(batch)
+
+    def _object(self, entry: os.DirEntry[str], rel: str, crawl: Crawl) -> Listed | None:
+        """The object ``entry`` (in directory ``rel``) is, or None when it is none: a subdirectory (added to
+        the crawl), something skipped, or something unreadable (reported to the crawl)."""
+        try:
+            st = self._stat(entry, rel, crawl)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # e.g. a directory that can be listed but not searched (mode r--)
+            crawl.unreadable(entry.path, os_error(exc, entry.path))
+            return None
+        if st is None:
+            return None
+        if not entry.name.isascii() and not _utf8(entry.name):
+            # A name that is not UTF-8 cannot become an S3 key (or a JSON line) as it is. It is not skipped
+            # in silence: like an unreadable entry it fails the run (exit 1) and, since the listing is then
+            # incomplete, a sync deletes nothing. rclone would encode it instead.
+            crawl.unreadable(
+                entry.path,
+                UsageError(
+                    f"{printable(entry.path)}: the name is not valid UTF-8, so it cannot be copied as a key",
+                    hint="rename it (e.g. convmv -f latin1 -t utf8), or leave it out with --exclude",
+                ),
+            )
+            return None
+        return Listed(rel + entry.name, st.st_size, st.st_mtime)
+
+    def _stat(self, entry: os.DirEntry[str], rel: str, crawl: Crawl) -> os.stat_result | None:
+        """The stat of a file entry; None for the rest (a subdirectory is added to the crawl instead)."""
+        if entry.is_dir(follow_symlinks=False):
+            if entry.name not in self.skip_dirs:
+                crawl.add((entry.path, f"{rel}{entry.name}/"))
+            return None
+        if is_tmp_name(entry.name):  # an unfinished atomic write of lingctl's
+            return None
+        if entry.is_symlink():
+            return self._link_target(entry.path)
+        if entry.is_file(follow_symlinks=False):
+            return entry.stat(follow_symlinks=False)
+        return None  # sockets, FIFOs, devices
 
     def _link_target(self, path: str) -> os.stat_result | None:
         """The stat of a symlink's target when it is a file inside the root; None (and a warning) otherwise."""

@@ -58,6 +58,11 @@ def _seconds(text: str | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def unquoted_etag(value: str | None) -> str | None:
+    """An ETag as lingctl keeps it: without S3's quotes, None when there is none."""
+    return (value or "").strip('"') or None
+
+
 def parse_reply(key: str, reply: dict[str, Any]) -> ObjectInfo:
     """Size, mtime, checksum and ETag of ``key`` from a HeadObject (or GetObject) reply. A reply without
     its size or date (a broken server) is a one-line ``LingctlError``."""
@@ -77,5 +82,5 @@ def parse_reply(key: str, reply: dict[str, Any]) -> ObjectInfo:
         size=int(reply["ContentLength"]),
         mtime=mtime,
         checksum=tag_from_b64(b64) if b64 else None,
-        etag=(reply.get("ETag") or "").strip('"') or None,
+        etag=unquoted_etag(reply.get("ETag")),
     )

@@ -55,9 +55,9 @@ class UploadGoneError(RestartError):
 
 @dataclass(slots=True)
 class Counters:
-    requests: int = 0
+    requests: int = 0  # sent, retries included
     retries: int = 0
-    throttled: int = 0
+    throttled: int = 0  # retries after a throttling reply or a dropped connection
 
 
 class Aimd:
@@ -128,7 +128,11 @@ def is_throttle(exc: BaseException) -> bool:
 class Retrier:
     """Runs S3 calls through the AIMD gate, retrying retryable failures with exponential backoff and full
     jitter (so clients that failed together do not retry together). ``translate(exc, what, attempts)`` turns
-    a failure into a lingctl error; only retryable ones (and throttling) are sent again."""
+    a failure into a lingctl error; only retryable ones (and throttling) are sent again.
+
+    ``counters`` is where requests, retries and throttled retries are counted (default: a ``Counters`` of its
+    own; a listing passes its ``ListStats``). ``stop``, when set during a backoff, ends the retries at once with
+    the last error: a listing whose consumer went away must not keep sending requests."""
 
     def __init__(
         self,
@@ -138,23 +142,22 @@ class Retrier:
         attempts: int = 8,
         base_s: float = 0.05,
         cap_s: float = 5.0,
+        counters: Counters | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.gate = gate
         self.translate = translate
         self.attempts = max(1, attempts)
         self.base_s = base_s
         self.cap_s = cap_s
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
+        self.stop = stop
         self._lock = threading.Lock()
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         for attempt in range(1, self.attempts + 1):
-            self.gate.acquire()
-            throttled = False
             try:
-                with self._lock:
-                    self.counters.requests += 1
-                return fn(*args, **kwargs)
+                return self._once(fn, *args, **kwargs)
             except Exception as exc:
                 throttled = is_throttle(exc)
                 err = exc if isinstance(exc, LingctlError) else self.translate(exc, what, attempt)
@@ -165,7 +168,22 @@ class Retrier:
                     self.counters.throttled += throttled
                 delay = backoff(attempt, self.base_s, self.cap_s)
                 log.debug("retrying %s in %.2fs after %s", what, delay, err)
-            finally:
-                self.gate.release(throttled=throttled)
-            time.sleep(delay)
+                if self.stop is None:
+                    time.sleep(delay)
+                elif self.stop.wait(delay):
+                    raise err from exc
         raise AssertionError("unreachable")
+
+    def _once(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One request through the gate; a throttled or dropped one lowers the gate's limit."""
+        self.gate.acquire()
+        throttled = False
+        try:
+            with self._lock:
+                self.counters.requests += 1
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            throttled = is_throttle(exc)
+            raise
+        finally:
+            self.gate.release(throttled=throttled)

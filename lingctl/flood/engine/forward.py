@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingctl.flood.engine.experts import StackedExperts, routed_experts
-from lingctl.flood.engine.native import Kernels, kernels
+from lingctl.flood.engine.native import Kernels, UnitTable, kernels
 from lingctl.flood.engine.packed import PackedLinear
 from lingctl.flood.engine.packed import available as packed_available
 from lingctl.flood.engine.segment_cache import KVPool
@@ -87,13 +87,12 @@ def _causal_mask(q_len: int, keys: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class NativeUnits:
-    """A step's attention units as the native kernel reads them (built once per step, used by every layer):
-    ``units_U4`` rows (q_start, q_len, key offset, key count) into ``keys``, the units' slots in order."""
+    """A step's attention units as the native kernel reads them, built and checked once per step and used by
+    every layer: ``table`` rows (q_start, q_len, key offset, key count) into its keys, the units' slots in
+    order."""
 
     kernels: Kernels
-    units_U4: torch.Tensor
-    keys: torch.Tensor
-    max_keys: int
+    table: UnitTable
 
     @staticmethod
     def build(native: Kernels, units: list[AttentionUnit]) -> NativeUnits:
@@ -106,12 +105,8 @@ class NativeUnits:
             for a, b in unit.ranges:
                 keys.extend(range(a, b))
             longest = max(longest, n)
-        return NativeUnits(
-            kernels=native,
-            units_U4=torch.tensor(rows, dtype=torch.long).view(-1, 4),
-            keys=torch.tensor(keys, dtype=torch.long),
-            max_keys=longest,
-        )
+        units_U4 = torch.tensor(rows, dtype=torch.long).view(-1, 4)
+        return NativeUnits(kernels=native, table=UnitTable.of(units_U4, torch.tensor(keys, dtype=torch.long), longest))
 
 
 def rope_tables(positions_T: torch.Tensor, attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,9 +157,7 @@ def attention_step(
         t = x_TD.shape[0]
         q_THD = q_HTD.transpose(0, 1).contiguous()
         out_THD = q_THD.new_zeros(t, attn.num_heads, attn.head_dim)
-        native.kernels.attention(
-            q_THD, k_pool, v_pool, native.units_U4, native.keys, attn.head_dim**-0.5, out_THD, native.max_keys
-        )
+        native.kernels.attention(q_THD, k_pool, v_pool, native.table, attn.head_dim**-0.5, out_THD)
         return ops.dense(out_THD.view(t, attn.num_heads * attn.head_dim))
     groups = attn.num_heads // attn.num_kv_heads
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}

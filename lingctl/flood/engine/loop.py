@@ -129,6 +129,23 @@ class LocalRunner:
         pass
 
 
+def local_runner(model: LingForCausalLM, kv_cache_tokens: int, dtype: torch.dtype) -> LocalRunner:
+    """All layers of ``model`` in this process, over a KV pool of ``kv_cache_tokens`` slots plus one scratch
+    slot (where padding rows write)."""
+    c = model.config
+    pool = KVPool(c.num_hidden_layers, kv_cache_tokens + 1, c.num_key_value_heads, c.head_dim, dtype)
+    return LocalRunner(model, pool)
+
+
+def max_new_tokens(req: GenRequest, max_positions: int) -> int:
+    """The most tokens ``req`` can add: its forced tokens, or ``max_tokens`` within the context left."""
+    if req.forced_ids is not None:
+        return len(req.forced_ids)
+    room = max(0, max_positions - len(req.prompt_ids))
+    want = req.sampling.max_tokens
+    return room if want is None else min(want, room)
+
+
 # Text-side hooks: stop strings need the tokenizer, which the engine itself does not know about.
 StopCheck = Callable[[list[int], list[str]], str | None]
 
@@ -157,25 +174,11 @@ class Engine:
     def local(
         model: LingForCausalLM, config: EngineConfig, *, dtype: torch.dtype | None = None, **kwargs: Any
     ) -> Engine:
-        """A one-process engine around a loaded model (its KV pool has one extra scratch slot)."""
-        mc = model.config
-        pool = KVPool(
-            mc.num_hidden_layers,
-            config.kv_cache_tokens + 1,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            dtype or model.model.word_embeddings.weight.dtype,
-        )
-        return Engine(config, model_config=mc, runner=LocalRunner(model, pool), **kwargs)
+        """A one-process engine around a loaded model."""
+        runner = local_runner(model, config.kv_cache_tokens, dtype or model.model.word_embeddings.weight.dtype)
+        return Engine(config, model_config=model.config, runner=runner, **kwargs)
 
     # -- admission checks ------------------------------------------------------------------------
-    def _max_new(self, req: GenRequest) -> int:
-        if req.forced_ids is not None:
-            return len(req.forced_ids)
-        room = self.max_positions - len(req.prompt_ids)
-        want = req.sampling.max_tokens
-        return room if want is None else min(want, room)
-
     def _reject(self, req: GenRequest) -> str | None:
         n = len(req.prompt_ids)
         if n == 0:
@@ -203,42 +206,65 @@ class Engine:
             return f"prompt needs {need} KV cache slots; the cache holds {self.config.kv_cache_tokens}"
         return None
 
+    def _admit(self, req: GenRequest) -> torch.Generator | _Forced | GenResult:
+        """The request's per-sequence state (its sampling generator, or its forced tokens), or, when it cannot
+        run, its error result."""
+        reason = self._reject(req)
+        if reason is not None:
+            return self._failure(req, reason)
+        try:
+            if req.forced_ids is not None:
+                return _Forced(list(req.forced_ids))
+            return request_generator(req.sampling.seed, req.seed_key or str(req.key))
+        except Exception as exc:
+            return self._failure(req, error_text(exc), internal=True)
+
+    def _failure(
+        self,
+        req: GenRequest,
+        error: str,
+        *,
+        internal: bool = False,
+        generated: list[int] | None = None,
+        cached: int = 0,
+    ) -> GenResult:
+        """The error result that ends ``req`` (which counts as finished)."""
+        self.stats.finished += 1
+        return GenResult(
+            key=req.key,
+            token_ids=generated or [],
+            finish_reason="error",
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=cached,
+            error=error,
+            internal=internal,
+        )
+
     # -- the loop -----------------------------------------------------------------------------------
     def generate(
         self, requests: Iterable[GenRequest], on_step: Callable[[EngineStats], None] | None = None
     ) -> Iterator[GenResult]:
         """Run every request; yield each result as soon as it is final (completion order)."""
         started = time.monotonic()
-        accepted: list[GenRequest] = []
-        generators: list[torch.Generator | _Forced] = []
+        accepted: list[tuple[GenRequest, torch.Generator | _Forced]] = []
         for req in requests:
             self.stats.requests += 1
-            reason = self._reject(req)
-            internal = False
-            if reason is None:
-                try:
-                    generators.append(
-                        _Forced(list(req.forced_ids))
-                        if req.forced_ids is not None
-                        else request_generator(req.sampling.seed, req.seed_key or str(req.key))
-                    )
-                except Exception as exc:
-                    reason, internal = error_text(exc), True
-            if reason is not None:
-                self.stats.finished += 1
-                yield GenResult(
-                    key=req.key,
-                    token_ids=[],
-                    finish_reason="error",
-                    prompt_tokens=len(req.prompt_ids),
-                    cached_tokens=0,
-                    error=reason,
-                    internal=internal,
-                )
+            state = self._admit(req)
+            if isinstance(state, GenResult):
+                yield state
             else:
-                accepted.append(req)
+                accepted.append((req, state))
+        sched = self._scheduler(accepted)
+        try:
+            yield from self._steps(sched, started, on_step)
+        finally:
+            self._update_stats(sched, started)
+
+    def _scheduler(self, accepted: list[tuple[GenRequest, torch.Generator | _Forced]]) -> Scheduler:
+        """A scheduler holding every accepted request, with the prompt prefixes they share."""
+        prompts = [req.prompt_ids for req, _ in accepted]
         plan = (
-            plan_prefixes([r.prompt_ids for r in accepted], self.config.chunk)
+            plan_prefixes(prompts, self.config.chunk)
             if self.config.prefix_sharing
             else PrefixPlan(of_request=[None] * len(accepted))
         )
@@ -255,57 +281,58 @@ class Engine:
             prefixes=plan,
         )
         self.stats.scheduler = sched.stats
-        for i, req in enumerate(accepted):
+        for i, (req, state) in enumerate(accepted):
             seq = Sequence(
                 index=i,
                 key=req,
                 tokens=list(req.prompt_ids),
                 prompt_len=len(req.prompt_ids),
                 sampling=req.sampling,
-                max_new=self._max_new(req),
+                max_new=max_new_tokens(req, self.max_positions),
                 prefix=plan.of_request[i],
             )
-            seq.state = generators[i]
+            seq.state = state
             if seq.prefix is not None:
                 self.stats.prefix_hits += 1
             sched.add(seq)
+        return sched
+
+    def _steps(
+        self, sched: Scheduler, started: float, on_step: Callable[[EngineStats], None] | None
+    ) -> Iterator[GenResult]:
+        """Keep up to ``runner.depth`` steps in flight; finish the oldest, yield what it finished, repeat."""
         done: list[GenResult] = []
         in_flight: list[Step] = []
-        try:
-            while sched.has_work or in_flight:
-                while len(in_flight) < self.runner.depth:
-                    step = sched.schedule()
-                    if step is None:
-                        break
-                    self.runner.submit(step.batch)
-                    in_flight.append(step)
-                if not in_flight:
-                    if not sched.preempt():
-                        yield from self._fail_unschedulable(sched)
-                    continue
-                step = in_flight.pop(0)
-                logits = self.runner.result()
-                # Greedy rows' tokens in one call instead of one per row: argmax takes the first maximum
-                # either way, so the tokens are the same.
-                firsts = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
-                # complete() calls the callback before returning, so this iteration's logits are the ones used.
-                sched.complete(
-                    step,
-                    lambda seq, row: self._on_sample(
-                        sched,
-                        seq,
-                        logits[row],  # noqa: B023
-                        done,
-                        greedy_token=firsts[row] if seq.sampling.greedy or isinstance(seq.state, _Forced) else None,  # noqa: B023
-                    ),
-                )
-                yield from done
-                done.clear()
-                self._update_stats(sched, started)
-                if on_step is not None:
-                    on_step(self.stats)
-        finally:
+        while sched.has_work or in_flight:
+            while len(in_flight) < self.runner.depth:
+                step = sched.schedule()
+                if step is None:
+                    break
+                self.runner.submit(step.batch)
+                in_flight.append(step)
+            if not in_flight:
+                if not sched.preempt():
+                    yield from self._fail_unschedulable(sched)
+                continue
+            self._complete(sched, in_flight.pop(0), done)
+            yield from done
+            done.clear()
             self._update_stats(sched, started)
+            if on_step is not None:
+                on_step(self.stats)
+
+    def _complete(self, sched: Scheduler, step: Step, done: list[GenResult]) -> None:
+        """Sample every row of ``step`` from its logits (the oldest step in flight)."""
+        logits = self.runner.result()
+        # Greedy rows' tokens in one call instead of one per row: argmax takes the first maximum
+        # either way, so the tokens are the same.
+        firsts = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+
+        def on_row(seq: Sequence, row: int) -> None:
+            greedy = seq.sampling.greedy or isinstance(seq.state, _Forced)
+            self._on_sample(sched, seq, logits[row], done, greedy_token=firsts[row] if greedy else None)
+
+        sched.complete(step, on_row)
 
     def _on_sample(
         self,
@@ -339,19 +366,9 @@ class Engine:
             # step's other rows are independent of it.
             log.debug("a request failed while sampling", exc_info=True)
             sched.release(seq)
-            self.stats.finished += 1
-            req: GenRequest = seq.key
-            done.append(
-                GenResult(
-                    key=req.key,
-                    token_ids=seq.tokens[seq.prompt_len :],
-                    finish_reason="error",
-                    prompt_tokens=seq.prompt_len,
-                    cached_tokens=seq.shared_len,
-                    error=f"failed while sampling: {error_text(exc)}",
-                    internal=True,
-                )
-            )
+            error = f"failed while sampling: {error_text(exc)}"
+            generated = seq.tokens[seq.prompt_len :]
+            done.append(self._failure(seq.key, error, internal=True, generated=generated, cached=seq.shared_len))
             return
         if reason is None and (seq.generated >= seq.max_new or len(seq.tokens) >= self.max_positions):
             reason = "length"
@@ -393,17 +410,10 @@ class Engine:
         (prefixes held for other requests included). Fail it rather than spin."""
         seq = sched.waiting.popleft()
         sched.release(seq)
-        self.stats.finished += 1
-        req: GenRequest = seq.key
-        yield GenResult(
-            key=req.key,
-            token_ids=seq.tokens[seq.prompt_len :],
-            finish_reason="error",
-            prompt_tokens=seq.prompt_len,
-            cached_tokens=0,
-            error=f"request does not fit in the KV cache ({self.config.kv_cache_tokens} slots, "
-            f"{self.alloc.free_slots} free)",
+        error = (
+            f"request does not fit in the KV cache ({self.config.kv_cache_tokens} slots, {self.alloc.free_slots} free)"
         )
+        yield self._failure(seq.key, error, generated=seq.tokens[seq.prompt_len :])
 
     def _update_stats(self, sched: Scheduler, started: float) -> None:
         self.stats.kv_used_slots = self.alloc.used_slots

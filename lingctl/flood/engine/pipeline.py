@@ -10,8 +10,7 @@ over ``torch.distributed`` point-to-point messages, so with ``depth = N`` steps 
 work. Each stage handles micro-batches strictly in order: the scheduler relies on it, since a later
 micro-batch may read k/v that an earlier one wrote at the same layer.
 
-A message is an int64 header ``[kind, tag, payload bytes, rows, cols]``, then the payload (uint8) and the
-tensor ``[rows, cols]`` when they are not empty. Shutdown travels the same path as the steps, so it arrives
+The messages are those of ``stage_link``. Shutdown travels the same path as the steps, so it arrives
 after every step already sent and comes back to rank 0 as the last message.
 
 Timeouts: a stage may wait indefinitely for its next micro-batch (the engine reads and tokenizes all requests
@@ -19,15 +18,13 @@ before the first step, which can take long), so the process group's own timeout 
 enforced here: rank 0 waits at most ``timeout_s`` for the stages to load and for each step's logits, and
 notices at once when a stage process exits; a stage exits when rank 0 (its parent) is gone.
 
-The stage processes run ``python -m lingctl.flood.engine.pipeline`` (``stage_main`` below).
+The stage processes run ``python -m lingctl.flood.engine.pipeline`` (``stage_process.stage_main``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import pickle
 import queue
 import shutil
 import signal
@@ -36,11 +33,8 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -48,16 +42,26 @@ import torch.distributed as dist
 
 from lingctl.core.errors import LingctlError
 from lingctl.core.net import free_port
-from lingctl.flood.engine.forward import StageModel, StepBatch
-from lingctl.flood.engine.segment_cache import KVPool
+from lingctl.flood.engine.cpu_load import read_budget
+from lingctl.flood.engine.forward import StepBatch
+from lingctl.flood.engine.stage_link import (
+    LINK_TIMEOUT,
+    LOADED,
+    SHUTDOWN,
+    STEP,
+    Message,
+    Pending,
+    backend_for,
+    loaded_key,
+    pack_batch,
+    recv_message,
+    send_message,
+)
+from lingctl.flood.engine.stage_process import StageArgs, stage_main
 from lingctl.flood.weights.model_dir import ModelDir
 
 log = logging.getLogger(__name__)
 
-STEP, SHUTDOWN = 1, 0
-HEADER_LEN = 5  # kind, tag, payload bytes, rows, cols
-# Bounds every gloo wait, including a stage's wait for its next micro-batch; see the module docstring.
-LINK_TIMEOUT = timedelta(days=7)
 STOP_GRACE_S = 5.0  # after shutdown, how long stages get to exit before they are terminated
 POLL_S = 0.05
 
@@ -77,84 +81,6 @@ def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
         out.append((first, last))
         first = last
     return out
-
-
-def backend_for(device: str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-# -- messages -----------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Message:
-    kind: int
-    tag: int
-    payload: torch.Tensor | None  # uint8
-    tensor: torch.Tensor | None  # [rows, cols]
-
-
-@dataclass(slots=True)
-class Pending:
-    """An isend'ed message: the works, and the buffers they read from, kept alive until the works finish."""
-
-    works: list[dist.Work]
-    buffers: list[torch.Tensor]
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
-
-def send_message(
-    dst: int,
-    kind: int,
-    tag: int,
-    payload: torch.Tensor | None = None,
-    tensor: torch.Tensor | None = None,
-    device: str = "cpu",
-) -> Pending:
-    nbytes = 0 if payload is None else payload.numel()
-    rows, cols = (0, 0) if tensor is None else tuple(tensor.shape)
-    header = torch.tensor([kind, tag, nbytes, rows, cols], dtype=torch.int64, device=device)
-    buffers = [header]
-    if payload is not None and nbytes:
-        buffers.append(payload)
-    if tensor is not None and rows * cols:
-        buffers.append(tensor.contiguous())
-    return Pending([_isend(b, dst) for b in buffers], buffers)
-
-
-def _isend(buffer: torch.Tensor, dst: int) -> dist.Work:
-    work = dist.isend(buffer, dst)
-    assert work is not None  # None only for a rank outside the group; every stage is in the default group
-    return work
-
-
-def recv_message(src: int, dtype: torch.dtype, device: str = "cpu") -> Message:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    kind, tag, nbytes, rows, cols = header.tolist()
-    payload = tensor = None
-    if nbytes:
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dist.recv(payload, src)
-    if rows * cols:
-        tensor = torch.empty(rows, cols, dtype=dtype, device=device)
-        dist.recv(tensor, src)
-    elif kind == STEP:  # e.g. logits [0, V] of a step that samples nothing
-        tensor = torch.empty(rows, cols, dtype=dtype, device=device)
-    return Message(kind, tag, payload, tensor)
-
-
-def pack_batch(batch: StepBatch, device: str = "cpu") -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8).to(
-        device
-    )
-
-
-def unpack_batch(payload: torch.Tensor) -> StepBatch:
-    return pickle.loads(payload.cpu().numpy().data)
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------
@@ -203,11 +129,6 @@ def _cleanup(procs: list[subprocess.Popen], log_dir: str) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _cpu_count() -> int:
-    # The affinity mask, not os.cpu_count(): in a container or under taskset the machine's count oversubscribes.
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 class PipelineRunner:
     """``engine.StageRunner`` over ``stages`` stage processes; this process is rank 0 (the scheduler)."""
 
@@ -245,58 +166,43 @@ class PipelineRunner:
         self._receiver: threading.Thread | None = None
         self._group = False
 
-        world = stages + 1
-        port = free_port()
-        threads = threads_per_stage or max(1, _cpu_count() // stages)
+        # The CPUs of the affinity mask, not os.cpu_count(): in a container or under taskset that oversubscribes.
+        threads = threads_per_stage or max(1, len(read_budget().cpus) // stages)
         try:
-            store = dist.TCPStore(
-                "127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=LINK_TIMEOUT
-            )
-            for rank, (first, last) in enumerate(self.split, start=1):
-                env = dict(
-                    os.environ,
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    WORLD_SIZE=str(world),
-                    RANK=str(rank),
-                    OMP_NUM_THREADS=str(threads),
-                )
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "lingctl.flood.engine.pipeline",
-                    "--model-dir",
-                    str(mdir.path),
-                    "--first",
-                    str(first),
-                    "--last",
-                    str(last),
-                    "--dtype",
-                    str(dtype).removeprefix("torch."),
-                    "--kv-cache-tokens",
-                    str(kv_cache_tokens),
-                    "--threads",
-                    str(threads),
-                    "--device",
-                    device,
-                    "--parent-pid",
-                    str(os.getpid()),
-                ]
-                if quantize is not None:
-                    cmd += ["--quantize", quantize]
-                with open(self._logs[rank - 1], "wb") as err:
-                    self._procs.append(
-                        subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-                    )
-            self._wait_loaded(store)
-            dist.init_process_group(backend_for(device), store=store, rank=0, world_size=world, timeout=LINK_TIMEOUT)
-            self._group = True
+            self._start(mdir.path, dtype, quantize, kv_cache_tokens, threads)
         except BaseException:
             self._abort()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, name="pipeline-results", daemon=True)
         self._receiver.start()
         log.info("pipeline: %d stages, layers %s, %d threads each", stages, self.split, threads)
+
+    def _start(
+        self, model_dir: Path, dtype: torch.dtype, quantize: str | None, kv_cache_tokens: int, threads: int
+    ) -> None:
+        """Start the stage processes, wait until each has loaded its layers, then join them in a process group."""
+        world = self.depth + 1
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=LINK_TIMEOUT)
+        for rank, (first, last) in enumerate(self.split, start=1):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                OMP_NUM_THREADS=str(threads),
+            )
+            stage = StageArgs(model_dir, first, last, dtype, quantize, kv_cache_tokens, threads, self.device)
+            with open(self._logs[rank - 1], "wb") as err:
+                self._procs.append(
+                    subprocess.Popen(
+                        stage.command(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                    )
+                )
+        self._wait_loaded(store)
+        dist.init_process_group(backend_for(self.device), store=store, rank=0, world_size=world, timeout=LINK_TIMEOUT)
+        self._group = True
 
     def _wait_loaded(self, store: dist.TCPStore) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -306,10 +212,10 @@ class PipelineRunner:
                 rank = i + 1
                 if rank in loaded:
                     continue
-                key = f"lingctl/loaded/{rank}"
+                key = loaded_key(rank)
                 if store.check([key]):
                     status = store.get(key).decode()
-                    if status != "ok":
+                    if status != LOADED:
                         raise self._stage_error(rank, f"failed to start: {status}")
                     loaded.add(rank)
                 elif p.poll() is not None:
@@ -461,105 +367,5 @@ class PipelineRunner:
         self.close()
 
 
-# -- stage processes ----------------------------------------------------------------------------------
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Rank 0 is our parent; once it is gone nothing will arrive, whatever gloo's timeout says."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        print(f"scheduler process {parent_pid} is gone; stage exiting", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, LingctlError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def serve(stage: StageModel, rank: int, world: int, dtype: torch.dtype, device: str) -> None:
-    """Receive a micro-batch, run the layers, pass it on; in order, until the shutdown comes through."""
-    nxt = (rank + 1) % world  # the last stage answers rank 0
-    pending: Pending | None = None
-    while True:
-        msg = recv_message(rank - 1, dtype, device)
-        if msg.kind == SHUTDOWN:
-            if pending is not None:
-                pending.wait()
-            send_message(nxt, SHUTDOWN, msg.tag, device=device).wait()
-            return
-        assert msg.payload is not None  # every step message carries its batch
-        out = stage.run(unpack_batch(msg.payload), msg.tensor if rank > 1 else None)
-        # The previous micro-batch's send went on while this one was computed; one message in the air at most.
-        if pending is not None:
-            pending.wait()
-        if stage.is_last:
-            pending = send_message(0, STEP, msg.tag, tensor=out, device=device)
-        else:
-            pending = send_message(nxt, STEP, msg.tag, msg.payload, out, device=device)
-
-
-def stage_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lingctl.flood.engine.pipeline",
-        description="One pipeline stage of lingctl flood (started by rank 0).",
-    )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--first", type=int, required=True)
-    parser.add_argument("--last", type=int, required=True)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantize", default=None)
-    parser.add_argument("--kv-cache-tokens", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--parent-pid", type=int, required=True)
-    args = parser.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # Ctrl-C reaches the whole process group; rank 0 decides how the pipeline stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format=f"stage {rank}: %(message)s")
-    _exit_with_parent(args.parent_pid)
-    torch.set_num_threads(args.threads)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=LINK_TIMEOUT
-    )
-    key = f"lingctl/loaded/{rank}"
-    try:
-        dtype = getattr(torch, args.dtype)
-        model = ModelDir.open(args.model_dir).load(dtype=dtype, quantize=args.quantize, layers=(args.first, args.last))
-        if torch.device(args.device).type != "cpu":
-            model.to(args.device)
-        mc = model.config
-        pool = KVPool(
-            args.last - args.first,
-            args.kv_cache_tokens + 1,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            dtype,
-            device=args.device,
-        )
-        stage = StageModel(model, pool, args.first, args.last)
-    except Exception as exc:
-        traceback.print_exc()
-        print(_one_line(exc), file=sys.stderr, flush=True)
-        store.set(key, _one_line(exc))
-        return 1
-    store.set(key, "ok")
-    dist.init_process_group(backend_for(args.device), store=store, rank=rank, world_size=world, timeout=LINK_TIMEOUT)
-    try:
-        serve(stage, rank, world, dtype, args.device)
-    except Exception as exc:
-        traceback.print_exc()
-        print(_one_line(exc), file=sys.stderr, flush=True)
-        return 1
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # a stage process (started by PipelineRunner)
     sys.exit(stage_main())

@@ -142,6 +142,29 @@ def _too_big(
     )
 
 
+def _kv_tokens(given: int | None, room: int, per_token: int, batch_kv_tokens: int, largest_request_tokens: int) -> int:
+    """The KV cache size in tokens: ``given`` (--kv-cache-tokens), or what the batch needs, within ``room``
+    bytes; a LingctlError when it does not fit there or cannot hold the largest request."""
+    budget = room // per_token
+    if given is None:
+        kv_tokens = min(budget, max(batch_kv_tokens, largest_request_tokens))
+    else:
+        kv_tokens = given
+        if kv_tokens > budget:
+            raise LingctlError(
+                f"--kv-cache-tokens {kv_tokens} needs {format_size(kv_tokens * per_token)}; only "
+                f"{format_size(room)} is left after weights and activations",
+                hint=f"use at most --kv-cache-tokens {budget}",
+            )
+    if kv_tokens < largest_request_tokens:
+        raise LingctlError(
+            f"the KV cache holds {kv_tokens} tokens but the largest request needs "
+            f"{largest_request_tokens} (prompt + 1)",
+            hint="raise --kv-cache-tokens, or lower max_tokens/shorten that prompt",
+        )
+    return kv_tokens
+
+
 def plan_memory(
     config: LingConfig,
     *,
@@ -172,23 +195,7 @@ def plan_memory(
     left = available_bytes - weights - engine - acts
     if left <= 0 or weights + loader > available_bytes:
         raise _too_big(weights, max(engine + acts, loader), dtype, quantize, available_bytes)
-    budget = int(left * HEADROOM) // per_token
-    if kv_cache_tokens is None:
-        kv_tokens = min(budget, max(batch_kv_tokens, largest_request_tokens))
-    else:
-        kv_tokens = kv_cache_tokens
-        if kv_tokens > budget:
-            raise LingctlError(
-                f"--kv-cache-tokens {kv_tokens} needs {format_size(kv_tokens * per_token)}; only "
-                f"{format_size(int(left * HEADROOM))} is left after weights and activations",
-                hint=f"use at most --kv-cache-tokens {budget}",
-            )
-    if kv_tokens < largest_request_tokens:
-        raise LingctlError(
-            f"the KV cache holds {kv_tokens} tokens but the largest request needs "
-            f"{largest_request_tokens} (prompt + 1)",
-            hint="raise --kv-cache-tokens, or lower max_tokens/shorten that prompt",
-        )
+    kv_tokens = _kv_tokens(kv_cache_tokens, int(left * HEADROOM), per_token, batch_kv_tokens, largest_request_tokens)
     kv_tokens = max(1, kv_tokens)
     kv = kv_tokens * per_token
     return MemoryPlan(

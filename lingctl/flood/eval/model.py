@@ -24,16 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lingctl.core.errors import Interrupted, UsageError
-from lingctl.flood.engine.loop import Engine, EngineConfig, EngineStats, GenRequest, LocalRunner, error_text
+from lingctl.flood.engine.loop import EngineStats, GenRequest, GenResult, error_text
 from lingctl.flood.engine.options import EngineOptions
-from lingctl.flood.engine.plan import MemoryPlan, check_weights_fit, plan_memory
-from lingctl.flood.engine.prefix import plan_prefixes
+from lingctl.flood.engine.plan import check_weights_fit
 from lingctl.flood.engine.sampling import SamplingParams
-from lingctl.flood.engine.segment_cache import KVPool
-from lingctl.flood.engine.threads import ThreadPolicy
+from lingctl.flood.engine.session import EngineSession, StopRequested, plan_requests
 from lingctl.flood.eval.report import TaskScore, mean_stderr
 from lingctl.flood.eval.tasks import CHOICE, EvalItem, Task, extract_answer
 from lingctl.flood.text.tokens import TextCodec
@@ -113,47 +109,44 @@ class ModelEvaluation:
         return list(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def _prepare(self, skip: set[tuple[str, str]]) -> None:
-        ctx_limit = self.md.config.max_position_embeddings
-        eos = self.md.config.eos_token_id
         for task in self.tasks:
             for item in task.items:
                 if (task.name, item.id) in skip:
                     continue
                 key = len(self._pending)
                 before = task.text_before(item, self.num_fewshot)
-                if item.kind == CHOICE:
-                    pending = _Pending(item, len(item.choices), [None] * len(item.choices), [], [])
-                    for c, choice in enumerate(item.choices):
-                        ctx, cont = self._encode_pair(before + item.context, choice, eos)
-                        # lm-evaluation-harness keeps the last max_length tokens of context + continuation.
-                        keep = ctx_limit + 1 - len(cont)
-                        if 1 <= keep < len(ctx):
-                            ctx, pending.truncated = ctx[-keep:], True
-                        pending.tokens.append(len(cont))
-                        pending.greedy.append(False)
-                        self._requests.append(
-                            GenRequest(
-                                key=(key, c),
-                                prompt_ids=ctx,
-                                sampling=SamplingParams(max_tokens=len(cont), temperature=0.0),
-                                forced_ids=cont,
-                            )
-                        )
-                else:
-                    pending = _Pending(item, 1, [], [], [])
-                    ids = self._encode(before + item.prompt)
-                    keep = ctx_limit - item.max_tokens
-                    if 1 <= keep < len(ids):
-                        ids, pending.truncated = ids[-keep:], True
-                    self._requests.append(
-                        GenRequest(
-                            key=(key, 0),
-                            prompt_ids=ids,
-                            sampling=SamplingParams(max_tokens=item.max_tokens, temperature=0.0, stop=item.stop),
-                        )
-                    )
+                pending = (
+                    self._choice(key, item, before) if item.kind == CHOICE else self._generation(key, item, before)
+                )
                 self._pending[key] = pending
                 self.run.truncated_items += pending.truncated
+
+    def _choice(self, key: int, item: EvalItem, before: str) -> _Pending:
+        """One request per choice, its tokens forced after the context, which every choice shares."""
+        ctx_limit = self.md.config.max_position_embeddings
+        pending = _Pending(item, len(item.choices), [None] * len(item.choices), [], [])
+        for c, choice in enumerate(item.choices):
+            ctx, cont = self._encode_pair(before + item.context, choice, self.md.config.eos_token_id)
+            # lm-evaluation-harness keeps the last max_length tokens of context + continuation.
+            keep = ctx_limit + 1 - len(cont)
+            if 1 <= keep < len(ctx):
+                ctx, pending.truncated = ctx[-keep:], True
+            pending.tokens.append(len(cont))
+            pending.greedy.append(False)
+            sampling = SamplingParams(max_tokens=len(cont), temperature=0.0)
+            self._requests.append(GenRequest(key=(key, c), prompt_ids=ctx, sampling=sampling, forced_ids=cont))
+        return pending
+
+    def _generation(self, key: int, item: EvalItem, before: str) -> _Pending:
+        """One greedy request, its prompt cut on the left to leave room for ``max_tokens``."""
+        pending = _Pending(item, 1, [], [], [])
+        ids = self._encode(before + item.prompt)
+        keep = self.md.config.max_position_embeddings - item.max_tokens
+        if 1 <= keep < len(ids):
+            ids, pending.truncated = ids[-keep:], True
+        sampling = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, stop=item.stop)
+        self._requests.append(GenRequest(key=(key, 0), prompt_ids=ids, sampling=sampling))
+        return pending
 
     def _encode_pair(self, context: str, continuation: str, eos: int) -> tuple[list[int], list[int]]:
         spaces = len(context) - len(context.rstrip())
@@ -172,23 +165,6 @@ class ModelEvaluation:
         return len(self._pending)
 
     # -- running ----------------------------------------------------------------------------------------
-    def _plan(self, dtype: torch.dtype) -> MemoryPlan:
-        reqs = self._requests
-        sizes = [len(r.prompt_ids) + (r.sampling.max_tokens or 0) for r in reqs]
-        saved = (
-            plan_prefixes([r.prompt_ids for r in reqs], self.opts.chunk).tokens_saved if self.opts.prefix_sharing else 0
-        )
-        return plan_memory(
-            self.md.config,
-            dtype=dtype,
-            quantize=self.opts.quantize,
-            kv_cache_tokens=self.opts.kv_cache_tokens,
-            max_batch_tokens=min(self.opts.max_batch_tokens, sum(len(r.prompt_ids) for r in reqs) + len(reqs)),
-            max_seqs=min(self.opts.max_seqs, max(1, len(reqs))),
-            batch_kv_tokens=max(1, sum(sizes) - saved),
-            largest_request_tokens=max(len(r.prompt_ids) + 1 for r in reqs),
-        )
-
     def records(
         self,
         *,
@@ -200,68 +176,31 @@ class ModelEvaluation:
         if not self._requests:
             return
         dtype = parse_dtype(self.opts.dtype)
-        plan = self._plan(dtype)
-        previous_threads = torch.get_num_threads()
-        policy = ThreadPolicy.for_run(self.opts.threads, self.opts.dtype, self.opts.quantize)
-        policy.prepare()
+        plan = plan_requests(self.md.config, self._requests, self.opts, dtype)
+        session = EngineSession(self.md, self.opts, plan, dtype=dtype, stop_check=self.codec.stop_check)
         started = time.monotonic()
         try:
-            model, load = self.md.load_with_stats(dtype=dtype, quantize=self.opts.quantize)
-            self.run.load_seconds = load.seconds
-            c = self.md.config
-            runner = LocalRunner(
-                model, KVPool(c.num_hidden_layers, plan.kv_tokens + 1, c.num_key_value_heads, c.head_dim, dtype)
-            )
-            engine = Engine(
-                EngineConfig(
-                    kv_cache_tokens=plan.kv_tokens,
-                    max_batch_tokens=self.opts.max_batch_tokens,
-                    max_seqs=self.opts.max_seqs,
-                    chunk=self.opts.chunk,
-                    prefix_sharing=self.opts.prefix_sharing,
-                ),
-                model_config=c,
-                runner=runner,
-                eos_ids=self.md.eos_ids(),
-                stop_check=self.codec.stop_check,
-            )
-            policy.start()
-            compute_started = time.monotonic()
-
-            def step(stats: EngineStats) -> None:
-                policy.between_steps()  # between steps: results never see a count change mid-step
-                if on_step is not None:
-                    on_step(stats)
-                if should_stop is not None and should_stop():
-                    raise _Stop
-
-            try:
-                for res in engine.generate(self._requests, on_step=step):
-                    record = self._finished(res)
-                    if record is not None:
-                        yield record
-            except _Stop:
-                raise Interrupted(
-                    "interrupted; the items finished so far are kept",
-                    hint="run the same command again to continue",
-                ) from None
-            finally:
-                engine.close()
-                s = engine.stats
-                self.run.seconds = time.monotonic() - compute_started
-                self.run.requests = s.requests
-                self.run.scored_tokens = s.generated_tokens
-                work = self.run.prompt_tokens - self.run.cached_prompt_tokens + s.generated_tokens
-                self.run.tokens_per_s = round(work / self.run.seconds, 1) if self.run.seconds > 0 else 0.0
+            for res in session.results(self._requests, on_step=on_step, should_stop=should_stop):
+                record = self._finished(res)
+                if record is not None:
+                    yield record
+        except StopRequested:
+            raise Interrupted(
+                "interrupted; the items finished so far are kept", hint="run the same command again to continue"
+            ) from None
         finally:
-            torch.set_num_threads(previous_threads)
-            if policy.report is not None:
-                import dataclasses
-
-                self.run.threads = dataclasses.asdict(policy.report)
+            self._took(session)
             log.debug("evaluated %d items in %.1f s", len(self._pending), time.monotonic() - started)
 
-    def _finished(self, res: Any) -> dict[str, Any] | None:
+    def _took(self, session: EngineSession) -> None:
+        run, stats = self.run, session.stats
+        run.seconds, run.load_seconds, run.threads = session.seconds, session.load_seconds, session.threads
+        run.requests = stats.requests
+        run.scored_tokens = stats.generated_tokens
+        work = run.prompt_tokens - run.cached_prompt_tokens + stats.generated_tokens
+        run.tokens_per_s = round(work / run.seconds, 1) if run.seconds > 0 else 0.0
+
+    def _finished(self, res: GenResult) -> dict[str, Any] | None:
         key, choice = res.key
         p = self._pending[key]
         p.left -= 1
@@ -280,10 +219,6 @@ class ModelEvaluation:
             return None
         del self._pending[key]
         return item_record(p)
-
-
-class _Stop(Exception):
-    """Raised from the step callback to leave the engine loop after a whole step."""
 
 
 def item_record(p: _Pending) -> dict[str, Any]:

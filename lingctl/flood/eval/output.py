@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,51 +31,30 @@ from lingctl.flood.batch.output import (
     save_manifest,
     sweep_manifest_tmp,
 )
+from lingctl.flood.engine.manifest import output_manifest
+from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.eval.tasks import Task
 
 log = logging.getLogger(__name__)
 
 FORMAT = "lingctl-eval"
 VERSION = 1
-ENGINE_VERSION = "flood/1"
 _HINT = "choose another -o, or move the old output away"
 JOURNAL = "journal"  # the manifest's record of OUT.partial (and OUTPUT of OUT itself)
 
 
 def eval_manifest(
-    *,
-    model: str,
-    fingerprint: str,
-    tasks: list[Task],
-    num_fewshot: int,
-    dtype: str,
-    quantize: str | None,
-    chunk: int,
+    *, model: str, fingerprint: str, tasks: list[Task], num_fewshot: int, engine: EngineOptions
 ) -> dict[str, Any]:
-    return {
+    own = {
         "format": FORMAT,
         "version": VERSION,
-        "engine": ENGINE_VERSION,
-        "model": model,
-        "model_fingerprint": fingerprint,
-        "dtype": dtype,
-        "quantize": quantize,
-        "prompt_chunk": chunk,
         "num_fewshot": num_fewshot,
         "tasks": [{"name": t.name, "sha256": t.sha256} for t in tasks],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        # What changes the numbers; batch size, threads, cache size and prefix sharing do not.
-        "compare": [
-            "format",
-            "engine",
-            "model_fingerprint",
-            "dtype",
-            "quantize",
-            "prompt_chunk",
-            "num_fewshot",
-            "tasks",
-        ],
     }
+    return output_manifest(
+        model=model, fingerprint=fingerprint, engine=engine, own=own, compared=["format", "num_fewshot", "tasks"]
+    )
 
 
 def journal_path(out: Path) -> Path:

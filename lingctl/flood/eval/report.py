@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
@@ -274,55 +275,18 @@ def plot_scores(points: Sequence[CheckpointScores], drops: Sequence[Drop], path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import EngFormatter
 
     xs, x_label = _x_axis(points)
     x_of = {id(p): x for p, x in zip(points, xs, strict=True)}
-    at_step = {p.step: p for p in points if p.step is not None}
     cols = min(3, len(tasks))
     rows = math.ceil(len(tasks) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
     try:
         for i, ax in enumerate(axes.flat):
-            if i >= len(tasks):
+            if i < len(tasks):
+                _plot_task(ax, tasks[i], points, drops, x_of, x_label)
+            else:
                 ax.set_visible(False)
-                continue
-            task = tasks[i]
-            scored = [p for p in points if task in p.scores]
-            x = [x_of[id(p)] for p in scored]
-            s = [p.scores[task] for p in scored]
-            ax.errorbar(x, [t.acc for t in s], yerr=[t.acc_stderr for t in s], marker="o", capsize=3, label="acc")
-            norm = [(xi, t) for xi, t in zip(x, s, strict=True) if t.acc_norm is not None]
-            if norm:
-                ax.errorbar(
-                    [xi for xi, _ in norm],
-                    [t.acc_norm for _, t in norm],
-                    yerr=[t.acc_norm_stderr or 0.0 for _, t in norm],
-                    marker="s",
-                    linestyle="--",
-                    capsize=3,
-                    label="acc_norm",
-                )
-            flagged = [(d, at_step[d.step]) for d in drops if d.task == task and d.step in at_step]
-            if flagged:
-                ax.plot(
-                    [x_of[id(p)] for _, p in flagged],
-                    [d.after for d, _ in flagged],
-                    linestyle="none",
-                    marker="v",
-                    markersize=11,
-                    color="red",
-                    label="drop",
-                    zorder=5,
-                )
-            kind = s[-1].kind
-            ax.set_title(f"{task} ({kind}, {s[-1].items} items)", fontsize=10)
-            ax.set_xlabel(x_label)
-            ax.set_ylabel("accuracy")
-            if x_label == "training tokens":
-                ax.xaxis.set_major_formatter(EngFormatter())
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         fig.tight_layout()
         # Render first, then write: a failed render leaves no file, and the write is one atomic replace.
         png = io.BytesIO()
@@ -332,3 +296,51 @@ def plot_scores(points: Sequence[CheckpointScores], drops: Sequence[Drop], path:
     with atomic_write(Path(path)) as (_, f):
         f.write(png.getvalue())
     return Path(path)
+
+
+def _plot_task(
+    ax: Any,
+    task: str,
+    points: Sequence[CheckpointScores],
+    drops: Sequence[Drop],
+    x_of: dict[int, float],
+    x_label: str,
+) -> None:
+    """One task's panel: acc with error bars, acc_norm dashed where the task has it, drops in red."""
+    from matplotlib.ticker import EngFormatter
+
+    at_step = {p.step: p for p in points if p.step is not None}
+    scored = [p for p in points if task in p.scores]
+    x = [x_of[id(p)] for p in scored]
+    s = [p.scores[task] for p in scored]
+    ax.errorbar(x, [t.acc for t in s], yerr=[t.acc_stderr for t in s], marker="o", capsize=3, label="acc")
+    norm = [(xi, t) for xi, t in zip(x, s, strict=True) if t.acc_norm is not None]
+    if norm:
+        ax.errorbar(
+            [xi for xi, _ in norm],
+            [t.acc_norm for _, t in norm],
+            yerr=[t.acc_norm_stderr or 0.0 for _, t in norm],
+            marker="s",
+            linestyle="--",
+            capsize=3,
+            label="acc_norm",
+        )
+    flagged = [(d, at_step[d.step]) for d in drops if d.task == task and d.step in at_step]
+    if flagged:
+        ax.plot(
+            [x_of[id(p)] for _, p in flagged],
+            [d.after for d, _ in flagged],
+            linestyle="none",
+            marker="v",
+            markersize=11,
+            color="red",
+            label="drop",
+            zorder=5,
+        )
+    ax.set_title(f"{task} ({s[-1].kind}, {s[-1].items} items)", fontsize=10)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("accuracy")
+    if x_label == "training tokens":
+        ax.xaxis.set_major_formatter(EngFormatter())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

@@ -29,10 +29,12 @@ from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
 from lingctl.flood.batch.jsonl_file import lstat_own
 from lingctl.flood.engine.loop import EngineStats
 from lingctl.flood.engine.options import EngineOptions
+from lingctl.flood.engine.session import Progress
 from lingctl.flood.eval.model import ModelEvaluation, open_model, task_scores
 from lingctl.flood.eval.output import ResultsFile, eval_manifest, order_records
 from lingctl.flood.eval.report import CheckpointScores, Drop, TaskScore, find_drops, plot_scores, write_table
 from lingctl.flood.eval.tasks import Task, read_tasks
+from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.hub import resolve_model_dir
 from lingctl.runs.checkpoints import is_run_dir, list_checkpoints, run_finished
 
@@ -61,16 +63,6 @@ class EvalOptions:
             raise UsageError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
         if self.drop_k < 0:
             raise UsageError(f"--drop-k must be >= 0, got {self.drop_k}")
-
-
-@dataclass(kw_only=True, slots=True)
-class Progress:
-    """What the command shows while an evaluation runs."""
-
-    label: str  # the model or checkpoint being evaluated
-    items_done: int
-    items: int
-    stats: EngineStats | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -163,21 +155,10 @@ def evaluate_one(
     md, codec = open_model(model_dir, opts.engine.dtype, opts.engine.quantize)
     to_stdout = str(out) == STDOUT
     result = ModelResult(model=label, out="stdout" if to_stdout else str(out), step=step, tokens=tokens)
-    files: ResultsFile | None = None
-    if not to_stdout:
-        manifest = eval_manifest(
-            model=str(md.path),
-            fingerprint=md.fingerprint(),
-            tasks=tasks,
-            num_fewshot=opts.num_fewshot,
-            dtype=opts.engine.dtype,
-            quantize=opts.engine.quantize,
-            chunk=opts.engine.chunk,
-        )
-        files = ResultsFile(Path(out), manifest)
-        if files.complete:
-            result.reused = True
-            return _finish_result(result, tasks, files.done)
+    files = None if to_stdout else _results_file(md, tasks, opts, Path(out))
+    if files is not None and files.complete:
+        result.reused = True
+        return _finish_result(result, tasks, files.done)
     records: list[dict[str, Any]] = list(files.done) if files is not None else []
     try:  # a continued journal is open from here on
         evaluation = ModelEvaluation(
@@ -192,7 +173,7 @@ def evaluate_one(
 
         def step_cb(stats: EngineStats) -> None:
             if on_progress is not None:
-                on_progress(Progress(label=label, items_done=len(records), items=total, stats=stats))
+                on_progress(Progress(label=label, unit="items", done=len(records), total=total, stats=stats))
 
         for record in evaluation.records(should_stop=should_stop, on_step=step_cb):
             records.append(record)
@@ -205,11 +186,17 @@ def evaluate_one(
     result.seconds, result.load_seconds, result.tokens_per_s = round(run.seconds, 3), run.load_seconds, run.tokens_per_s
     result.prompt_tokens, result.cached_prompt_tokens = run.prompt_tokens, run.cached_prompt_tokens
     result.scored_tokens = run.scored_tokens
-    if files is not None:
-        records = files.finish(tasks)
-    else:
-        records = order_records(tasks, records)  # '-o -': the command writes them to standard output
+    # '-o -': the records in task order, for the command to write to standard output
+    records = files.finish(tasks) if files is not None else order_records(tasks, records)
     return _finish_result(result, tasks, records)
+
+
+def _results_file(md: ModelDir, tasks: list[Task], opts: EvalOptions, out: Path) -> ResultsFile:
+    """The results file of this model at ``out``: one to reuse or continue when its manifest matches."""
+    manifest = eval_manifest(
+        model=str(md.path), fingerprint=md.fingerprint(), tasks=tasks, num_fewshot=opts.num_fewshot, engine=opts.engine
+    )
+    return ResultsFile(out, manifest)
 
 
 def _finish_result(result: ModelResult, tasks: list[Task], records: list[dict[str, Any]]) -> ModelResult:

@@ -163,59 +163,52 @@ def _item(obj: dict[str, Any], task: str, line: int, where: str, default_regex: 
     if not isinstance(fewshot, bool):
         raise UsageError(f"{where}: 'fewshot' must be true or false")
     if "choices" in obj:
-        _only(obj, _CHOICE_KEYS, where)
-        context, choices, answer = obj.get("context"), obj["choices"], obj.get("answer")
-        if not isinstance(context, str):
-            raise UsageError(f"{where}: 'context' must be a string")
-        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-            raise UsageError(f"{where}: 'choices' must be a list of at least two non-empty strings")
-        if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
-            raise UsageError(f"{where}: 'answer' must be the index of the right choice (0..{len(choices) - 1})")
-        return EvalItem(
-            task=task,
-            id=item_id,
-            kind=CHOICE,
-            line=line,
-            context=context,
-            choices=choices,
-            answer=answer,
-            fewshot=fewshot,
-        )
+        return _choice_item(obj, EvalItem(task=task, id=item_id, kind=CHOICE, line=line, fewshot=fewshot), where)
     if "prompt" in obj:
-        _only(obj, _GENERATE_KEYS, where)
-        prompt, answer = obj["prompt"], obj.get("answer")
-        stop = obj.get("stop", [])
-        max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
-        regex = obj.get("regex", default_regex)
-        if not isinstance(prompt, str) or not prompt:
-            raise UsageError(f"{where}: 'prompt' must be a non-empty string")
-        if not isinstance(answer, str):
-            raise UsageError(f"{where}: 'answer' must be a string (the expected text)")
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
-            raise UsageError(f"{where}: 'stop' must be a list of at most 8 non-empty strings")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise UsageError(f"{where}: 'max_tokens' must be a positive integer")
-        if regex is not None:
-            if not isinstance(regex, str):
-                raise UsageError(f"{where}: 'regex' must be a string")
-            _compile(regex, where)
-        return EvalItem(
-            task=task,
-            id=item_id,
-            kind=GENERATE,
-            line=line,
-            prompt=prompt,
-            answer=answer,
-            stop=stop,
-            max_tokens=max_tokens,
-            regex=regex,
-            fewshot=fewshot,
-        )
+        item = EvalItem(task=task, id=item_id, kind=GENERATE, line=line, fewshot=fewshot)
+        return _generation_item(obj, item, where, default_regex)
     raise UsageError(
         f"{where}: neither a multiple-choice item (context, choices, answer) nor a generation item (prompt, answer)"
     )
+
+
+def _choice_item(obj: dict[str, Any], item: EvalItem, where: str) -> EvalItem:
+    """``item`` with the fields of a multiple-choice line, each checked."""
+    _only(obj, _CHOICE_KEYS, where)
+    context, choices, answer = obj.get("context"), obj["choices"], obj.get("answer")
+    if not isinstance(context, str):
+        raise UsageError(f"{where}: 'context' must be a string")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise UsageError(f"{where}: 'choices' must be a list of at least two non-empty strings")
+    if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
+        raise UsageError(f"{where}: 'answer' must be the index of the right choice (0..{len(choices) - 1})")
+    item.context, item.choices, item.answer = context, choices, answer
+    return item
+
+
+def _generation_item(obj: dict[str, Any], item: EvalItem, where: str, default_regex: str | None) -> EvalItem:
+    """``item`` with the fields of a generation line, each checked."""
+    _only(obj, _GENERATE_KEYS, where)
+    prompt, answer = obj["prompt"], obj.get("answer")
+    stop = obj.get("stop", [])
+    max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
+    regex = obj.get("regex", default_regex)
+    if not isinstance(prompt, str) or not prompt:
+        raise UsageError(f"{where}: 'prompt' must be a non-empty string")
+    if not isinstance(answer, str):
+        raise UsageError(f"{where}: 'answer' must be a string (the expected text)")
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
+        raise UsageError(f"{where}: 'stop' must be a list of at most 8 non-empty strings")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise UsageError(f"{where}: 'max_tokens' must be a positive integer")
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise UsageError(f"{where}: 'regex' must be a string")
+        _compile(regex, where)
+    item.prompt, item.answer, item.stop, item.max_tokens, item.regex = prompt, answer, stop, max_tokens, regex
+    return item
 
 
 def _check_unicode(obj: dict[str, Any], where: str) -> None:

@@ -119,15 +119,7 @@ def _load(
     shapes = {k: tuple(v.shape) for k, v in model_state(model).items()}
     if quantize == "int8":
         _int8_on_meta(model, dtype)
-
-    def wanted(name: str) -> bool:
-        if name.startswith("model.layers."):
-            return first <= int(name.split(".")[2]) < last
-        if name.startswith("model.word_embeddings."):
-            return first == 0 or (last == n and config.tie_word_embeddings)
-        return last == n  # model.norm, lm_head
-
-    names = [k for k in shapes if wanted(k)]
+    names = [k for k in shapes if _wanted(k, config, first, last)]
     missing = [k for k in names if k not in files]
     if missing:
         raise LingctlError(
@@ -142,10 +134,39 @@ def _load(
         if bake and name == head_name and quantize and not _lossless(entries[name].dtype, dtype):
             hold = entries[name].dtype  # normalised at the file's precision first, as quantizing always did
         targets.add(name, entries[name], hold)
-
     by_file: dict[Path, list[TensorEntry]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(entries[name])
+    bytes_read = _read_files(by_file, targets, chunk_bytes)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.word_embeddings.weight
+    if bake:
+        # int8 normalised the head while it still had the file's dtype; a plain load after the cast
+        _bake_head(model, dtype, entries[head_name].dtype if quantize else dtype)
+    model.eval()
+    release_free_memory()
+    stats = LoadStats(
+        files=len(by_file),
+        tensors=len(names),
+        bytes_needed=sum(e.nbytes for e in entries.values()),
+        bytes_read=bytes_read,
+        seconds=0.0,
+    )
+    return model, stats
+
+
+def _wanted(name: str, config: LingConfig, first: int, last: int) -> bool:
+    """Whether the stage holding layers ``[first, last)`` needs tensor ``name``."""
+    n = config.num_hidden_layers
+    if name.startswith("model.layers."):
+        return first <= int(name.split(".")[2]) < last
+    if name.startswith("model.word_embeddings."):
+        return first == 0 or (last == n and config.tie_word_embeddings)
+    return last == n  # model.norm, lm_head
+
+
+def _read_files(by_file: dict[Path, list[TensorEntry]], targets: _Targets, chunk_bytes: int) -> int:
+    """Every file once, in file order, each piece written into its target; the bytes read."""
     bytes_read = 0
     f32 = _Scratch()
     for path in sorted(by_file):
@@ -158,29 +179,18 @@ def _load(
         bytes_read += reader.bytes_read
         del reader, piece, src  # its buffers go before the next file's are filled
     f32.release()
+    return bytes_read
 
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.word_embeddings.weight
-    if bake:
-        head = model.lm_head.weight
-        # int8 normalised the head while it still had the file's dtype; a plain load after the cast
-        round_dtype = entries[head_name].dtype if quantize else dtype
-        _bake_norm_head_(head.data, round_dtype)
-        if head.dtype != dtype:
-            model.lm_head.weight = nn.Parameter(head.data.to(dtype), requires_grad=False)
-            if config.tie_word_embeddings:
-                model.model.word_embeddings.weight = model.lm_head.weight
-        model.config.norm_head = False
-    model.eval()
-    release_free_memory()
-    stats = LoadStats(
-        files=len(by_file),
-        tensors=len(names),
-        bytes_needed=sum(e.nbytes for e in entries.values()),
-        bytes_read=bytes_read,
-        seconds=0.0,
-    )
-    return model, stats
+
+def _bake_head(model: LingForCausalLM, dtype: torch.dtype, round_dtype: torch.dtype) -> None:
+    """NormHead folded into the head's weights (rounded to ``round_dtype``), which then take ``dtype``."""
+    head = model.lm_head.weight
+    _bake_norm_head_(head.data, round_dtype)
+    if head.dtype != dtype:
+        model.lm_head.weight = nn.Parameter(head.data.to(dtype), requires_grad=False)
+        if model.config.tie_word_embeddings:
+            model.model.word_embeddings.weight = model.lm_head.weight
+    model.config.norm_head = False
 
 
 # -- building the targets --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from lingctl.core.names import printable
 from lingctl.model.checkpoint import load_config, load_weights_into
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
+from lingctl.runs.train_config import MoeLossConfig
 from lingctl.train import losses
 from lingctl.train.align.router import force_routes, own_routes, plant_bug, router_names, routes_of
 from lingctl.train.align.setup import AlignJob, SetUp, check_setup, make_batch
@@ -44,7 +45,6 @@ from lingctl.train.align.trace import (
     compare,
 )
 from lingctl.train.align.trace_file import load_trace, save_trace
-from lingctl.train.config import MoeLossConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def training_loss(
     moe: MoeLossConfig,
     batch_balance: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The loss of one training step, as ``Trainer._forward`` computes it: bf16 autocast when asked, logits
+    """The loss of one training step, as the trainer computes it: bf16 autocast when asked, logits
     in float32 (float64 for a float64 set-up, which would otherwise drop to float32 here), cross-entropy,
     plus the balance loss and the z-loss with their coefficients. ``batch_balance``: the balance loss uses
     the whole batch's routed fractions (several workers, ``balance=batch``)."""

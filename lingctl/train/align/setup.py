@@ -13,8 +13,8 @@ import torch
 from lingctl.core.errors import UsageError
 from lingctl.model.config import LingConfig
 from lingctl.model.moe import Dispatch, grouped_mm_available
+from lingctl.runs.train_config import MoeLossConfig
 from lingctl.train.align.router import BUGS
-from lingctl.train.config import MoeLossConfig
 
 Dtype = Literal["float32", "bfloat16", "float64"]
 Device = Literal["cpu", "cuda"]

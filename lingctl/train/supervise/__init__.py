@@ -1,1 +1,2 @@
-"""Supervising a training job: the launcher's agent, the hang watchdog, health checks, incidents and divergence."""
+"""Supervising a training job: the launcher (its entry, torchrun's attempts, the restart loop, the hang detector
+and the signals it passes on), and what workers and launcher share about health and divergence."""

@@ -4,7 +4,7 @@ failures a restart can fix).
 
 - **crash** (a worker killed by a signal, OOM-killed, or failing with exit 1, as its peers do when it goes):
   restart while the budget lasts.
-- **hang** (the watchdog, ``watchdog.py``, saw no progress for the hang timeout and killed the workers):
+- **hang** (the hang detector, ``hang_detector.py``, saw no progress for the hang timeout and killed the workers):
   restart while the budget lasts; the verdict goes to ``RUN/incidents/hang-attempt-K.json``.
 - **divergence** (the workers recorded that they ended the attempt over a divergence, ``divergence.py``): a
   ``give_up`` stops the job with exit 1, since a restart would diverge again; a ``restart`` (local SGD, one
@@ -14,7 +14,7 @@ failures a restart can fix).
   input would fail the same way, and a stop is a stop.
 
 Restarts wait ``backoff_s`` (1 s, 2 s, 4 s, ... at most 30 s). Workers learn their attempt from
-``LINGCTL_ATTEMPT`` (``workers.start``): a worker of attempt k > 0 resumes from the run's last checkpoint and
+``LINGCTL_ATTEMPT`` (``torchrun.ATTEMPT_ENV``, read by ``workers.start``): a worker of attempt k > 0 resumes from the run's last checkpoint and
 fires no fault drill. Each attempt is a fresh ``--standalone`` rendezvous (a new port).
 
 Each incident becomes one line of ``RUN/incidents.jsonl`` (``incidents.append``), written once the next attempt
@@ -37,33 +37,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
 from lingctl.core.names import printable
-from lingctl.train.supervise import divergence, incidents
-from lingctl.train.supervise.incidents import Incident
+from lingctl.runs import incidents
+from lingctl.runs.incidents import Incident
+from lingctl.runs.layout import LATEST, METRICS, parse_latest
+from lingctl.runs.metrics_tail import MetricsTail
+from lingctl.train.supervise import divergence
+from lingctl.train.supervise.hang_detector import TRACE_TARGETS, HangDetector, HangVerdict
 from lingctl.train.supervise.signal_relay import SignalRelay
-from lingctl.train.supervise.watchdog import TRACE_TARGETS, HangVerdict, MetricsTail, Watchdog
+from lingctl.train.supervise.torchrun import job_exit_code, launch_argv, launch_env, relay_stderr
 
 log = logging.getLogger(__name__)
 
-ATTEMPT_ENV = "LINGCTL_ATTEMPT"  # the attempt (0, 1, ...) each worker of a job started here is in
 NEVER_RESTART = {2: "bad settings", 3: "not found", 4: "verification failed", 130: "stopped"}
-RESTARTS_WITH_WATCHDOG = 3
+RESTARTS_WHEN_WATCHING = 3  # the restart budget when the launcher watches for hangs (--watchdog)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_CAP_S = 30.0
-VERDICTS = "incidents"  # RUN/incidents/hang-attempt-K.json
 _POLL_S = 0.25
-TORCHRUN_GRACE_S = 60.0  # after the watchdog killed the workers, torchrun has this long to notice and end
+TORCHRUN_GRACE_S = 60.0  # after the hang detector killed the workers, torchrun has this long to notice and end
 TRACE_OUT_ENV = "LINGCTL_TIMER_OUT"  # set when the launcher itself runs under `lingctl timer run`
 
 
 @dataclass(kw_only=True, slots=True)
 class JobOptions:
     nproc: int
-    max_restarts: int | None = None  # None: RESTARTS_WITH_WATCHDOG with the watchdog on, else 0
-    watchdog: bool | None = None  # None: on when nproc > 1
-    hang_timeout_s: float | None = None  # None: derived from the run's step and save times (watchdog.py)
+    max_restarts: int | None = None  # None: RESTARTS_WHEN_WATCHING when watching, else 0
+    watchdog: bool | None = None  # --watchdog/--no-watchdog: watch for hangs; None: on when nproc > 1
+    hang_timeout_s: float | None = None  # None: derived from the run's step and save times (hang_detector.py)
     run_local: Path | None = None  # the run's local directory (the staging directory of an s3:// run)
 
     def __post_init__(self) -> None:
@@ -78,13 +79,14 @@ class JobOptions:
 
     @property
     def watching(self) -> bool:
+        """Whether the launcher watches the workers for hangs (and the workers roll a divergence back)."""
         return self.nproc > 1 if self.watchdog is None else self.watchdog
 
     @property
     def restarts(self) -> int:
         if self.max_restarts is not None:
             return self.max_restarts
-        return RESTARTS_WITH_WATCHDOG if self.watching else 0
+        return RESTARTS_WHEN_WATCHING if self.watching else 0
 
 
 def backoff_s(restart: int) -> float:
@@ -108,8 +110,8 @@ class Outcome:
     attempt: int
     code: int  # the job's exit code (0 ok; the failed workers' code otherwise)
     failures: list[tuple[int, int]]  # (rank, exit code) from torchrun's report, root cause first
-    verdict: HangVerdict | None  # the watchdog's, when it killed the attempt
-    death_mono: float | None  # when the watchdog first saw a worker gone
+    verdict: HangVerdict | None  # the hang detector's, when it killed the attempt
+    death_mono: float | None  # when the hang detector first saw a worker gone
     ended_mono: float
     ended_wall: float
     started_wall: float = 0.0
@@ -139,8 +141,6 @@ class Job:
         return self._signals.stopping
 
     def run(self) -> int:
-        from lingctl.runs.layout import METRICS
-
         opts = self.options
         if opts.run_local is not None:
             self._metrics = MetricsTail(opts.run_local / METRICS)
@@ -165,10 +165,7 @@ class Job:
 
     # -- one attempt ----------------------------------------------------------------------------------
     def _attempt(self, attempt: int, trace_dir: Path | None) -> Outcome:
-        from lingctl.train.workers import _relay, job_exit_code, launch_argv, launch_env
-
-        env = launch_env(self.options.nproc)
-        env[ATTEMPT_ENV] = str(attempt)
+        env = launch_env(self.options.nproc, attempt)
         if trace_dir is not None and not env.get(TRACE_OUT_ENV):
             from lingctl.timer.launch import traced_env
 
@@ -189,37 +186,37 @@ class Job:
         failures: list[tuple[int, int]] = []
         relay = None
         if not debug:
-            relay = threading.Thread(target=_relay, args=(proc.stderr, codes, failures), daemon=True)
+            relay = threading.Thread(target=relay_stderr, args=(proc.stderr, codes, failures), daemon=True)
             relay.start()
-        watchdog = None
+        detector = None
         if trace_dir is not None:
-            watchdog = Watchdog(proc.pid, timeout_s=self.options.hang_timeout_s, metrics=self._metrics).start()
+            detector = HangDetector(proc.pid, timeout_s=self.options.hang_timeout_s, metrics=self._metrics).start()
         try:
-            rc = self._wait(proc, watchdog)
+            rc = self._wait(proc, detector)
         finally:
-            if watchdog is not None:
-                watchdog.stop()
+            if detector is not None:
+                detector.stop()
         if relay is not None:
             relay.join(timeout=5)
         return Outcome(
             attempt=attempt,
             code=0 if rc == 0 else job_exit_code(codes),
             failures=failures,
-            verdict=watchdog.verdict if watchdog is not None else None,
-            death_mono=watchdog.first_death_mono if watchdog is not None else None,
+            verdict=detector.verdict if detector is not None else None,
+            death_mono=detector.first_death_mono if detector is not None else None,
             ended_mono=time.monotonic(),
             ended_wall=time.time(),
             started_wall=started_wall,
         )
 
-    def _wait(self, proc: subprocess.Popen, watchdog: Watchdog | None) -> int:
+    def _wait(self, proc: subprocess.Popen, detector: HangDetector | None) -> int:
         while True:
             self._signals.pass_on(proc)  # a stop asked for: the workers finish their step, save and exit
             try:
                 return proc.wait(timeout=_POLL_S)
             except subprocess.TimeoutExpired:
                 self._check_recovery()
-                verdict = watchdog.verdict if watchdog is not None else None
+                verdict = detector.verdict if detector is not None else None
                 if verdict is not None and time.time() - verdict.time > TORCHRUN_GRACE_S:
                     proc.kill()  # its workers are gone, yet torchrun did not end: it cannot be waited for
 
@@ -383,22 +380,15 @@ class Job:
             log.warning("incident not recorded (no run directory): %s", incident.to_record())
             return
         # The step records the restart took out of metrics.jsonl (rank 0 of the next attempt keeps them there).
-        kept = sorted((run / incidents.INCIDENT_DIR).glob(f"attempt-{incident.attempt}-abandoned*.jsonl"))
+        kept = incidents.abandoned_records(run, incident.attempt)
         if kept and incident.action == "restart":
-            incident.details["abandoned_records"] = f"{incidents.INCIDENT_DIR}/{kept[-1].name}"
+            incident.details["abandoned_records"] = kept
         incidents.append(run, incident)
 
     def _write_verdict(self, attempt: int, v: HangVerdict) -> str | None:
         run = self.options.run_local
         if run is None or not run.is_dir():
             return None
-        folder = run / VERDICTS
-        folder.mkdir(exist_ok=True)
-        name = f"hang-attempt-{attempt}.json"
-        n = 1
-        while (folder / name).exists():  # a resumed run's job counts its attempts from 0 again
-            n += 1
-            name = f"hang-attempt-{attempt}-{n}.json"
         data = {
             "kind": "hang",
             "attempt": attempt,
@@ -409,13 +399,10 @@ class Job:
             "time": v.time,
             **v.details,
         }
-        with atomic_write(folder / name) as (_, f):
-            f.write((json.dumps(data, indent=1, default=str) + "\n").encode())
-        return f"{VERDICTS}/{name}"
+        text = json.dumps(data, indent=1, default=str) + "\n"
+        return incidents.write_file(run, incidents.HANG_VERDICT.format(attempt=attempt), ".json", text.encode())
 
     def _latest_step(self) -> int | None:
-        from lingctl.runs.layout import LATEST, parse_latest
-
         run = self.options.run_local
         if run is None or not run.is_dir():
             return None
@@ -432,7 +419,7 @@ class Job:
 
     def _trace_dir(self) -> Path | None:
         """A private directory for the workers' trace logs (the rings themselves are in shared memory); the
-        watchdog reads the rings, so the logs are not kept after the job."""
+        hang detector reads the rings, so the logs are not kept after the job."""
         from lingctl.core.errors import LingctlError
         from lingctl.timer.ring import ensure_ring_dir
 

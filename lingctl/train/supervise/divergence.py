@@ -3,7 +3,7 @@ launcher tells an attempt that ended in a divergence from one that crashed.
 
 Restarting a crashed job from its last checkpoint helps: the fault (a killed worker, a lost node) is gone.
 Restarting a diverged job as it was does not: the same weights, data and learning rate lead it back to the
-same place. So the workers decide (``Trainer._diverged`` and ``_roll_back``): roll back with a lower learning
+same place. So the workers decide (``train/recovery.py``): roll back with a lower learning
 rate and the data window skipped, within ``watchdog_config.max_rollbacks``; with local SGD, where one worker
 diverges alone, end the attempt so that the launcher restarts the job from the checkpoint with the rollback
 applied; otherwise give up. Each decision is a ``divergence`` incident in ``RUN/incidents.jsonl``, written
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lingctl.train.supervise import incidents
+from lingctl.runs import incidents
 
 ENDINGS = ("give_up", "restart")  # the actions by which the workers end their attempt
 

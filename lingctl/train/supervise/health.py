@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lingctl.train.config import WatchdogConfig
+from lingctl.runs.train_config import HealthConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,7 +45,7 @@ class RoutingWarning:
 
 
 class RoutingHealth:
-    def __init__(self, config: WatchdogConfig, layers: list[int], num_experts: int) -> None:
+    def __init__(self, config: HealthConfig, layers: list[int], num_experts: int) -> None:
         self.config = config
         self.layers = layers  # decoder layer index of each MoE layer, in routing order
         self.num_experts = num_experts
@@ -114,7 +114,7 @@ class StragglerWarning:
 
 
 class StragglerWatch:
-    def __init__(self, config: WatchdogConfig, world: int) -> None:
+    def __init__(self, config: HealthConfig, world: int) -> None:
         self.config = config
         self.world = world
         self._rows: deque[tuple[float, torch.Tensor]] = deque(maxlen=config.straggler_window)  # (time, [W, 3])

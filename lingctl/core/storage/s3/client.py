@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,9 +99,7 @@ def make_client(options: S3Options, *, unsigned: bool = False, attempts: int | N
     try:
         session = boto3.session.Session(profile_name=options.profile)
     except botocore.exceptions.ProfileNotFound:
-        raise UsageError(
-            f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE"
-        ) from None
+        raise profile_not_found(options.profile) from None
     region = options.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
     path_style = options.path_style if options.path_style is not None else endpoint is not None
     config = botocore.config.Config(
@@ -123,6 +122,10 @@ def make_client(options: S3Options, *, unsigned: bool = False, attempts: int | N
         raise UsageError(f"cannot create S3 client: {exc}") from None
 
 
+def profile_not_found(profile: str | None) -> UsageError:
+    return UsageError(f"AWS profile {profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE")
+
+
 def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> LingctlError:
     """Map a boto3/botocore exception on ``what`` (bucket/key) to a lingctl error kind, without secrets."""
     import botocore.exceptions as bx
@@ -130,8 +133,41 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
     where = endpoint or "AWS S3"
     if isinstance(exc, CertificateError):
         return exc
+    if isinstance(exc, bx.ClientError):
+        return _reply_error(exc.response, what, where, attempts)
     if isinstance(exc, bx.SSLError) and (cert := _certificate_failure(exc)) is not None:
         return certificate_error(where, cert)
+    if isinstance(
+        exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError)
+    ):
+        return _no_answer(exc, what, where, attempts)
+    if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
+        # A connection that broke mid-request or mid-body (reset, truncated stream): a new request can work.
+        return RetryableError(
+            f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) ({type(exc).__name__})"
+        )
+    return _client_side_error(exc, what, where)
+
+
+def _no_answer(exc: Any, what: str, where: str, attempts: int) -> RetryableError:
+    # lingctl's own clients say what went wrong (``error``, a string) and whether the server was reached.
+    detail = exc.kwargs.get("error")
+    detail = redact_secrets(detail) if isinstance(detail, str) else type(exc).__name__
+    if exc.kwargs.get("reached"):
+        return RetryableError(
+            f"no complete answer from S3 endpoint {where} for {what} after {attempts} attempt(s): {detail}",
+            hint="if it keeps failing, the server (or a proxy on the way) is broken; --timeout sets the idle timeout",
+        )
+    return RetryableError(
+        f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({detail})",
+        hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
+    )
+
+
+def _client_side_error(exc: BaseException, what: str, where: str) -> LingctlError:
+    """botocore's own failures, before or after any answer: credentials, a checksum it checked, the rest."""
+    import botocore.exceptions as bx
+
     if isinstance(exc, bx.NoCredentialsError):
         return AccessDeniedError(
             f"no S3 credentials found for {where}",
@@ -141,75 +177,93 @@ def translate(exc: BaseException, what: str, endpoint: str, attempts: int) -> Li
         return AccessDeniedError(
             f"incomplete S3 credentials: {exc}", hint="set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
         )
-    if isinstance(
-        exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError)
-    ):
-        # lingctl's own clients say what went wrong (``error``, a string) and whether the server was reached.
-        detail = exc.kwargs.get("error")
-        detail = redact_secrets(detail) if isinstance(detail, str) else type(exc).__name__
-        if exc.kwargs.get("reached"):
-            return RetryableError(
-                f"no complete answer from S3 endpoint {where} for {what} after {attempts} attempt(s): {detail}",
-                hint="if it keeps failing, the server (or a proxy on the way) is broken; --timeout sets the idle timeout",
-            )
-        return RetryableError(
-            f"could not reach S3 endpoint {where} after {attempts} attempt(s) ({detail})",
-            hint="check --endpoint-url / AWS_ENDPOINT_URL and that the server is running",
-        )
-    if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
-        # A connection that broke mid-request or mid-body (reset, truncated stream): a new request can work.
-        return RetryableError(
-            f"connection to S3 endpoint {where} broke during {what} after {attempts} attempt(s) ({type(exc).__name__})"
-        )
     if isinstance(exc, bx.FlexibleChecksumError):  # botocore checked S3's own checksum field on a GET
         return VerificationError(
             f"checksum mismatch for {what} at {where}: {exc}", hint="the stored object is damaged; nothing was written"
         )
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        # The server's words are data: shortened, and cleared of anything that looks like a credential.
-        message = server_words(str(err.get("Message") or code))
-        shown_code = server_words(code)
-        # HeadBucket answers a bare 404 without a code; ``what`` is then the bucket name alone.
-        if code == "NoSuchBucket" or (status == 404 and "/" not in what):
-            return NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}")
-        if code == "NoSuchUpload":
-            return NotFoundError(
-                f"{what}: the multipart upload no longer exists at {where} (aborted, or the server restarted)",
-                hint="run the same command again to start a new upload",
-            )
-        if code == "PreconditionFailed" or status == 412:
-            return RetryableError(f"{what}: the object changed at {where} while it was being read")
-        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
-            return NotFoundError(f"{what}: not found at {where}")
-        if code in (
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "AuthorizationHeaderMalformed",
-            "InvalidToken",
-            "ExpiredToken",
-            "TokenRefreshRequired",
-        ):
-            return AccessDeniedError(
-                f"S3 rejected the credentials for {what} at {where} ({code})",
-                hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
-            )
-        if code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403:
-            return AccessDeniedError(f"access denied to {what} at {where}", hint="check the credentials' permissions")
-        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "BadChecksum"):
-            # The body arrived different from what was sent (its MD5 or checksum did not match): sending it
-            # again can work, and nothing was stored.
-            return RetryableError(f"{what}: the server received different bytes than were sent at {where} ({code})")
-        if code in ("InvalidRange",) or status == 416:
-            return UsageError(f"{what}: requested range is outside the object")
-        if status >= 500 or status in THROTTLE_STATUS or code in RETRY_CODES:
-            return RetryableError(f"S3 error on {what} at {where} after {attempts} attempt(s): {shown_code}: {message}")
-        return LingctlError(f"S3 error on {what} at {where}: {shown_code}: {message}")
     if isinstance(exc, bx.BotoCoreError):
         return LingctlError(f"S3 error on {what} at {where}: {server_words(str(exc), 500)}")
     raise exc
+
+
+_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AuthorizationHeaderMalformed",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+    }
+)
+# The body arrived different from what was sent (its MD5 or checksum did not match): sending it again can
+# work, and nothing was stored.
+_DIGEST_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "BadChecksum"})
+
+# What an error answer means, as (does it match: (code, status, what), the error: (what, where, code)); the
+# first that matches wins. "Not found" is decided by the status and code, never by the message's words.
+_ReplyRule = tuple[Callable[[str, int, str], bool], Callable[[str, str, str], LingctlError]]
+_REPLY_RULES: tuple[_ReplyRule, ...] = (
+    # HeadBucket answers a bare 404 without a code; ``what`` is then the bucket name alone.
+    (
+        lambda code, status, what: code == "NoSuchBucket" or (status == 404 and "/" not in what),
+        lambda what, where, code: NotFoundError(f"bucket {what.split('/')[0]!r} does not exist at {where}"),
+    ),
+    (
+        lambda code, status, what: code == "NoSuchUpload",
+        lambda what, where, code: NotFoundError(
+            f"{what}: the multipart upload no longer exists at {where} (aborted, or the server restarted)",
+            hint="run the same command again to start a new upload",
+        ),
+    ),
+    (
+        lambda code, status, what: code == "PreconditionFailed" or status == 412,
+        lambda what, where, code: RetryableError(f"{what}: the object changed at {where} while it was being read"),
+    ),
+    (
+        lambda code, status, what: code in ("NoSuchKey", "NotFound", "404") or status == 404,
+        lambda what, where, code: NotFoundError(f"{what}: not found at {where}"),
+    ),
+    (
+        lambda code, status, what: code in _CREDENTIAL_CODES,
+        lambda what, where, code: AccessDeniedError(
+            f"S3 rejected the credentials for {what} at {where} ({code})",
+            hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
+        ),
+    ),
+    (
+        lambda code, status, what: code in ("AccessDenied", "AllAccessDisabled", "403") or status == 403,
+        lambda what, where, code: AccessDeniedError(
+            f"access denied to {what} at {where}", hint="check the credentials' permissions"
+        ),
+    ),
+    (
+        lambda code, status, what: code in _DIGEST_CODES,
+        lambda what, where, code: RetryableError(
+            f"{what}: the server received different bytes than were sent at {where} ({code})"
+        ),
+    ),
+    (
+        lambda code, status, what: code == "InvalidRange" or status == 416,
+        lambda what, where, code: UsageError(f"{what}: requested range is outside the object"),
+    ),
+)
+
+
+def _reply_error(response: dict[str, Any], what: str, where: str, attempts: int) -> LingctlError:
+    """The error for an S3 error answer (a botocore ``ClientError``'s ``response``)."""
+    err = response.get("Error", {})
+    code = str(err.get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    for matches, error in _REPLY_RULES:
+        if matches(code, status, what):
+            return error(what, where, code)
+    # The server's words are data: shortened, and cleared of anything that looks like a credential.
+    message = server_words(str(err.get("Message") or code))
+    shown_code = server_words(code)
+    if status >= 500 or status in THROTTLE_STATUS or code in RETRY_CODES:
+        return RetryableError(f"S3 error on {what} at {where} after {attempts} attempt(s): {shown_code}: {message}")
+    return LingctlError(f"S3 error on {what} at {where}: {shown_code}: {message}")
 
 
 def repeated_token_error(endpoint: str, what: str) -> LingctlError:

@@ -1,7 +1,8 @@
 """S3 listing: signed ListObjectsV2 GETs, a regex parser, and adaptive splitting of the key space.
 
-botocore's paginator spends most of its time parsing timestamps with dateutil, so this lister sends its own
-signed requests (lingctl's SigV4 signer, ``http_wire``'s keep-alive pool) and parses the XML with compiled regexes. One
+botocore's paginator spends most of its time parsing timestamps with dateutil, so this lister sends signed
+requests through the store's own client (``signed_http``: lingctl's SigV4 signer on ``http_wire``'s keep-alive
+pool), retried by the store's retry policy (``retry.Retrier``), and parses the XML with compiled regexes. One
 prefix lists serially page by page, so the key space is split to list in parallel: every common prefix of a
 delimiter listing becomes its own task, and a prefix whose first page is truncated (a flat directory of
 many keys) is cut into StartAfter ranges that list side by side, each range splitting again when it is
@@ -21,25 +22,22 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
-from urllib.parse import quote, unquote_plus, urlparse
+from operator import itemgetter
+from typing import TypeVar
+from urllib.parse import unquote_plus
 
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError
 from lingctl.core.names import printable
-from lingctl.core.storage.crawl import Crawl, Listed
-from lingctl.core.storage.retry import Aimd, backoff, is_throttle_reply
-from lingctl.core.storage.s3 import http_wire, sigv4
-from lingctl.core.storage.s3.client import (
-    RETRY_CODES,
-    S3Options,
-    ca_bundle,
-    certificate_error,
-    repeated_token_error,
-    translate,
-)
-from lingctl.core.storage.url import StoreURL, redact_url
+from lingctl.core.storage.crawl import Crawl, Listed, ListStats, OnUnreadable
+from lingctl.core.storage.metadata import unquoted_etag
+from lingctl.core.storage.retry import Retrier
+from lingctl.core.storage.s3.client import repeated_token_error
+from lingctl.core.storage.s3.reply import S3HTTPError
+from lingctl.core.storage.s3.signed_http import SignedS3Client
+from lingctl.core.storage.url import StoreURL
 
 log = logging.getLogger("lingctl.babel.listing")
 
@@ -102,9 +100,8 @@ _PREFIX_RE = re.compile(r"<CommonPrefixes>\s*<Prefix>([^<]*)</Prefix>")
 _TRUNCATED_RE = re.compile(r"<IsTruncated>\s*true\s*</IsTruncated>")
 _TOKEN_RE = re.compile(r"<NextContinuationToken>([^<]*)</NextContinuationToken>")
 _URL_ENCODED_RE = re.compile(r"<EncodingType>\s*url\s*</EncodingType>")
-_CODE_RE = re.compile(r"<Code>([^<]*)</Code>")
-_MESSAGE_RE = re.compile(r"<Message>([^<]*)</Message>")
 _FRACTION_RE = re.compile(r"\.(\d+)")
+_E = TypeVar("_E")
 
 
 def _timestamp(text: str) -> float:
@@ -142,7 +139,7 @@ def _parse_page(body: str) -> _Page | None:
                 )
             )
     try:
-        keys = [(decode(k), lm, etag.replace("&quot;", "").strip('"') or None, int(size)) for k, lm, etag, size in rows]
+        keys = [(decode(k), lm, unquoted_etag(etag.replace("&quot;", "")), int(size)) for k, lm, etag, size in rows]
     except ValueError:  # a size that is not a number (or has thousands of digits): not a listing
         return None
     prefixes = [decode(p) for p in _PREFIX_RE.findall(body)]
@@ -201,68 +198,46 @@ def _boundaries(prefix: str, names: list[str], until: str | None, limit: int) ->
     return bounds
 
 
+def _in_range(r: Range, entries: list[_E], name: Callable[[_E], str]) -> tuple[list[_E], bool]:
+    """The entries of a page that belong to ``r`` (after < name <= until), and whether the page went on past
+    ``until``. A start-after inside a common prefix may roll its remaining keys up into the same prefix
+    again (AWS does): that prefix was handed out by the range that holds it."""
+    taken: list[_E] = []
+    for entry in entries:
+        n = name(entry)
+        if r.until is not None and n > r.until:
+            return taken, True
+        if n > r.after:
+            taken.append(entry)
+    return taken, False
+
+
 class S3Lister:
     """Lists everything below ``url`` (or only below ``within``, a key prefix relative to it) on a crawl.
 
-    Requests go through ``gate``, the AIMD gate the store's other requests share: a throttled List halves
-    the requests in flight as a throttled GET does, and is retried on the same backoff schedule."""
+    Pages are signed ListObjectsV2 GETs sent by ``http`` (the store's ``SignedS3Client``), through a
+    ``Retrier`` on the AIMD gate of ``retrier`` (the store's, which its other requests share: a throttled List
+    halves the requests in flight as a throttled GET does) with the same errors and at least
+    ``_MIN_ATTEMPTS`` attempts, counted into the listing's ``ListStats``. ``endpoint`` is for messages."""
 
     def __init__(
         self,
         url: StoreURL,
-        options: S3Options,
-        jobs: int,
+        http: SignedS3Client,
+        retrier: Retrier,
         skip_dirs: frozenset[str],
         *,
-        gate: Aimd | None = None,
         within: str = "",
+        endpoint: str = "",
     ) -> None:
-        options.validate()
-        self.gate = gate or Aimd(jobs)
-        import botocore.exceptions
-
         self.bucket = url.bucket
         self.prefix = f"{url.prefix}/" if url.prefix else ""
         self.within = self.prefix + within
         self.skip_dirs = skip_dirs
-        self.options = options
-        self.attempts = max(options.max_attempts, _MIN_ATTEMPTS)
-        endpoint = options.resolved_endpoint()
-        # Only for messages and logs, so redacted: a URL can carry a password typed into it.
-        self.endpoint = redact_url(endpoint) if endpoint else ""
-        # lingctl's own SigV4 (sigv4.py): the same credentials and region as botocore resolves them, without
-        # importing boto3 or botocore's signer, which a process that only lists would pay for at start-up.
-        try:
-            credentials, self.region = sigv4.resolve(options.profile, options.region)
-        except botocore.exceptions.ProfileNotFound:
-            raise UsageError(
-                f"AWS profile {options.profile!r} not found", hint="check ~/.aws/config or AWS_PROFILE"
-            ) from None
-        if credentials is None:
-            raise translate(botocore.exceptions.NoCredentialsError(), self.bucket, self.endpoint, 1)
-        self.signer = sigv4.Signer(credentials, self.region)
-        path_style = options.path_style if options.path_style is not None else endpoint is not None
-        if endpoint is None:
-            suffix = "amazonaws.com.cn" if self.region.startswith("cn-") else "amazonaws.com"
-            endpoint = f"https://s3.{self.region}.{suffix}"
-        parsed = urlparse(endpoint)
-        # Dotted bucket names break TLS wildcard certificates on virtual hosts; botocore falls back to
-        # path style for them too.
-        if path_style or "." in self.bucket:
-            self.base = f"{endpoint}/{quote(self.bucket, safe='')}"
-        else:
-            self.base = f"{parsed.scheme}://{self.bucket}.{parsed.netloc}{parsed.path or '/'}"
-        base = urlparse(self.base)
-        self._host, self._path = base.netloc, base.path or "/"
-        ca_certs = ca_bundle() if parsed.scheme == "https" else None
-        self._wire = http_wire.open_pool(
-            f"{base.scheme}://{base.netloc}",
-            connect_timeout=options.connect_timeout,
-            read_timeout=options.read_timeout,
-            low_speed_limit=options.low_speed_limit,
-            maxsize=jobs,
-            ca_certs=ca_certs,
-        )
+        self.endpoint = endpoint
+        self.http = http
+        self._store_retrier = retrier
+        self._retrier: Retrier | None = None
         # Range splitting stops for good when the server ignores start-after, or when parallel requests
         # gain it little: a server that re-reads a whole directory per request (rclone serve s3 does)
         # only does more work when one prefix is listed as many ranges.
@@ -274,89 +249,91 @@ class S3Lister:
         self._gain_samples = 0
         self._gain_proven = False
 
-    def close(self) -> None:
-        self._wire.close()
+    def walk(
+        self, first: Range, jobs: int, stats: ListStats, on_unreadable: OnUnreadable | None
+    ) -> Iterator[list[Listed]]:
+        """The crawl from ``first``, in batches; its requests are counted into ``stats``."""
+        crawl = Crawl(jobs, stats, self.page, on_unreadable=on_unreadable)
+        store = self._store_retrier
+        self._retrier = Retrier(
+            store.gate,
+            store.translate,
+            attempts=max(store.attempts, _MIN_ATTEMPTS),
+            counters=stats,
+            stop=crawl.stopped,
+        )
+        return crawl.run(first)
 
     # -- one page ---------------------------------------------------------------------------------------
     def page(self, r: Range, crawl: Crawl) -> None:
-        params = {
-            "list-type": "2",
-            "prefix": r.prefix,
-            "delimiter": "/",
-            "max-keys": str(_PAGE),
-            "encoding-type": "url",
-        }
-        if r.token:
-            params["continuation-token"] = r.token
-        elif r.after:
-            params["start-after"] = r.after
-        page = self._get(params, f"{self.bucket}/{r.prefix}", crawl)
-        if r.after and not r.token and self._split_ok:
-            # A prefix may legitimately equal start-after (see below); a key may not.
-            if page.keys and page.keys[0][0] <= r.after:
-                log.warning(
-                    "S3 server at %s ignores start-after; listing each prefix serially", self.endpoint or "AWS S3"
-                )
-                self._split_ok = False
-        cut = len(self.prefix)
-        beyond = False
-        batch: list[Listed] = []
-        names: list[str] = []
-        for key, modified, etag, size in page.keys:
-            if r.until is not None and key > r.until:
-                beyond = True
-                break
-            if key <= r.after:
-                continue
-            names.append(key)
-            if not key.endswith("/") and key.startswith(self.within):  # "directory markers" are not objects
-                try:
-                    mtime = _timestamp(modified)
-                except ValueError:
-                    raise LingctlError(
-                        f"S3 endpoint {self.endpoint or 'AWS S3'} lists {printable(f'{self.bucket}/{key}')} with "
-                        f"a LastModified that is not a date: {printable(modified[:40])!r}",
-                        hint="the server is broken, or something on the way to it rewrites its answers",
-                    ) from None
-                batch.append(Listed(key[cut:], size, mtime, etag))
-        for p in page.prefixes:
-            if r.until is not None and p > r.until:
-                beyond = True
-                break
-            # A start-after inside a common prefix may roll its remaining keys up into the same prefix
-            # again (AWS does); it was handed out by the range that holds it.
-            if p <= r.after:
-                continue
-            names.append(p)
+        page = self._get(r)
+        self._check_start_after(r, page)
+        rows, rows_beyond = _in_range(r, page.keys, itemgetter(0))
+        prefixes, prefixes_beyond = _in_range(r, page.prefixes, str)
+        batch = self._objects(rows)
+        for p in prefixes:
             if p[len(r.prefix) : -1] not in self.skip_dirs and (p.startswith(self.within) or self.within.startswith(p)):
                 crawl.add(Range(p))
         if batch:
             crawl.emit(batch)
-        if beyond or not page.truncated:
+        if rows_beyond or prefixes_beyond or not page.truncated:
             return
-        if not names:
-            if page.token:
-                # A token handed back again (or pages that never move on) would make this range list for
-                # ever: 4,000 identical requests in minutes, and no end.
-                if page.token == r.token or r.empty >= _MAX_EMPTY_PAGES:
-                    raise repeated_token_error(self.endpoint, f"{self.bucket}/{r.prefix}")
-                crawl.add(Range(r.prefix, r.after, r.until, page.token, r.empty + 1))
-            else:
-                log.warning(
-                    "S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
-                    self.endpoint or "AWS S3",
-                    self.bucket,
-                    printable(r.prefix),
-                )
+        names = sorted([row[0] for row in rows] + prefixes)
+        if names:
+            self._go_on(r, names, page.token, crawl)
+        else:
+            self._skip_empty(r, page.token, crawl)
+
+    def _objects(self, rows: list[tuple[str, str, str | None, int]]) -> list[Listed]:
+        """The objects among a page's keys, relative to the root; "directory markers" are not objects."""
+        cut = len(self.prefix)
+        return [
+            Listed(key[cut:], size, self._mtime(key, modified), etag)
+            for key, modified, etag, size in rows
+            if not key.endswith("/") and key.startswith(self.within)
+        ]
+
+    def _mtime(self, key: str, modified: str) -> float:
+        try:
+            return _timestamp(modified)
+        except ValueError:
+            raise LingctlError(
+                f"S3 endpoint {self.endpoint or 'AWS S3'} lists {printable(f'{self.bucket}/{key}')} with "
+                f"a LastModified that is not a date: {printable(modified[:40])!r}",
+                hint="the server is broken, or something on the way to it rewrites its answers",
+            ) from None
+
+    def _check_start_after(self, r: Range, page: _Page) -> None:
+        # A prefix may legitimately equal start-after (``_in_range``); a key may not.
+        if r.after and not r.token and self._split_ok and page.keys and page.keys[0][0] <= r.after:
+            log.warning("S3 server at %s ignores start-after; listing each prefix serially", self.endpoint or "AWS S3")
+            self._split_ok = False
+
+    def _skip_empty(self, r: Range, token: str | None, crawl: Crawl) -> None:
+        """A truncated page that brought nothing new: follow its token, unless it goes round in circles."""
+        if not token:
+            log.warning(
+                "S3 server at %s sent a truncated, empty page for %s/%s without a token; stopping there",
+                self.endpoint or "AWS S3",
+                self.bucket,
+                printable(r.prefix),
+            )
             return
-        names.sort()
+        # A token handed back again (or pages that never move on) would make this range list for ever:
+        # 4,000 identical requests in minutes, and no end.
+        if token == r.token or r.empty >= _MAX_EMPTY_PAGES:
+            raise repeated_token_error(self.endpoint, f"{self.bucket}/{r.prefix}")
+        crawl.add(Range(r.prefix, r.after, r.until, token, r.empty + 1))
+
+    def _go_on(self, r: Range, names: list[str], token: str | None, crawl: Crawl) -> None:
+        """The rest of a truncated range past its page's last name: the next page, or split into ranges."""
         last = names[-1]
         bounds: list[str] = []
         if self._split_ok and 1 < crawl.jobs and crawl.pending < 2 * crawl.jobs:
             # Few ranges until parallel requests have shown they pay, then up to one per worker.
             bounds = _boundaries(r.prefix, names, r.until, crawl.jobs if self._gain_proven else _FIRST_SPLIT - 1)
         if not bounds:
-            crawl.add(Range(r.prefix, last, r.until, page.token))
+            crawl.add(Range(r.prefix, last, r.until, token))
             return
         for lo, hi in zip([last, *bounds], [*bounds, r.until]):
             crawl.add(Range(r.prefix, lo, hi))
@@ -385,75 +362,40 @@ class S3Lister:
                 )
 
     # -- one request, with retries ----------------------------------------------------------------------
-    def _get(self, params: dict[str, str], what: str, crawl: Crawl) -> _Page:
-        import botocore.exceptions as bx
+    def _get(self, r: Range) -> _Page:
+        params = {
+            "list-type": "2",
+            "prefix": r.prefix,
+            "delimiter": "/",
+            "max-keys": str(_PAGE),
+            "encoding-type": "url",
+        }
+        if r.token:
+            params["continuation-token"] = r.token
+        elif r.after:
+            params["start-after"] = r.after
+        assert self._retrier is not None, "pages are listed by walk()'s crawl"
+        return self._retrier.call(printable(f"{self.bucket}/{r.prefix}"), self._fetch, params)
 
-        # Encoded exactly as SigV4 canonicalises it, so the signed query is the one sent.
-        query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
-        url = f"{self.base}?{query}"
-        error: Exception | None = None
-        for attempt in range(1, self.attempts + 1):
-            if attempt > 1:
-                crawl.count(retries=1)
-                # Exponential backoff with full jitter, so parallel workers do not retry in step.
-                if crawl.stopped.wait(backoff(attempt - 1)):
-                    break
-            headers = self.signer.sign("GET", self._path, query, {"Host": self._host}, sigv4.EMPTY_SHA256)
-            crawl.count(requests=1)
-            self.gate.acquire()
-            throttled = False
+    def _fetch(self, params: dict[str, str]) -> _Page:
+        """One request for a page; an answer that is not a listing is a server error (502), sent again."""
+        with self._lock:
+            self._inflight += 1
+            concurrency = self._inflight
+        started = time.monotonic()
+        try:
+            body = self.http.list_objects(params, limit=_PAGE_BYTES)
+        finally:
             with self._lock:
-                self._inflight += 1
-                concurrency = self._inflight
-            started = time.monotonic()
-            try:
-                resp = self._wire.request("GET", f"{self._path}?{query}", headers, limit=_PAGE_BYTES)
-                body = resp.data.decode("utf-8", errors="replace")
-            except http_wire.WireError as exc:
-                if (cert := http_wire.certificate_failure(exc)) is not None:
-                    raise certificate_error(self.endpoint or "AWS S3", cert) from exc
-                throttled = True  # a dropped connection means "slow down", as in retry.is_throttle
-                error = _connection_error(exc, self.endpoint or url, bx)
-                log.debug("list %s: attempt %d: %s", printable(what), attempt, redact_url(str(exc)))
-                continue
-            finally:
-                with self._lock:
-                    self._inflight -= 1
-                if throttled:
-                    self.gate.release(throttled=True)
-            if resp.status == 200:
-                self.gate.release()
-                self._observe(concurrency, time.monotonic() - started)
-                page = _parse_page(body)
-                if page is not None:
-                    return page
-                error = bx.ClientError(
-                    {
-                        "Error": {"Code": "InternalError", "Message": "unreadable listing"},
-                        "ResponseMetadata": {"HTTPStatusCode": 502},
-                    },
-                    "ListObjectsV2",
-                )
-                continue
-            code_m, message_m = _CODE_RE.search(body), _MESSAGE_RE.search(body)
-            code = html.unescape(code_m.group(1)) if code_m else str(resp.status)
-            message = html.unescape(message_m.group(1)) if message_m else (resp.reason or code)
-            self.gate.release(throttled=is_throttle_reply(code, resp.status))
-            error = bx.ClientError(
-                {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
-                "ListObjectsV2",
+                self._inflight -= 1
+        self._observe(concurrency, time.monotonic() - started)
+        page = _parse_page(body)
+        if page is None:
+            raise S3HTTPError(
+                status=502,
+                code="InternalError",
+                message="unreadable listing",
+                operation="ListObjectsV2",
+                key=params["prefix"],
             )
-            if resp.status < 500 and not is_throttle_reply(code, resp.status) and code not in RETRY_CODES:
-                break
-            log.debug("list %s: attempt %d: HTTP %d %s", printable(what), attempt, resp.status, printable(code))
-        assert error is not None
-        raise translate(error, printable(what), self.endpoint, self.attempts) from error
-
-
-def _connection_error(exc: http_wire.WireError, url: str, bx: Any) -> Exception:
-    """The botocore exception for a connection failure, for ``translate``'s wording: what went wrong and
-    whether the server was reached, as the signed client reports them."""
-    cause = exc.cause
-    detail = f"{exc.what} ({cause.strerror})" if isinstance(cause, OSError) and cause.strerror else exc.what
-    reached = not isinstance(exc, http_wire.ConnectError)
-    return bx.EndpointConnectionError(endpoint_url=url, error=detail, reached=reached)
+        return page

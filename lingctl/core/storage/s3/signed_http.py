@@ -1,15 +1,17 @@
-"""S3 object requests (GET, HEAD, PUT, DELETE, multipart uploads) as signed HTTP requests on a keep-alive pool.
+"""S3 requests (object GET, HEAD, PUT, DELETE, multipart uploads, HeadBucket, ListObjectsV2) as signed HTTP
+requests on a keep-alive pool.
 
 boto3's client spends far more CPU per request than the request itself costs the server: building the
 request from the service model, a dozen event hooks, response parsing into dicts and datetimes, checksum
 plumbing. Copying thousands of small objects pays that thousands of times. This client keeps only what the
 wire needs: the URL, SigV4 headers (``sigv4``, lingctl's own signer, with credentials and region resolved as
 ``make_client`` resolves them), one request on a shared, thread-safe connection pool (``http_wire``; urllib3's
-behind an https:// proxy), and the answer's status, headers and body. It is the object-level counterpart of the S3 lister's signed ListObjectsV2 requests.
+behind an https:// proxy), and the answer's status, headers and body. The S3 lister sends its ListObjectsV2
+pages through it too.
 
 Each call sends exactly one request; there are no retries here, so the caller's retry and AIMD policy sees
-every failure. Failures come out as two exception types, both subclasses of botocore's, so the existing
-``translate()`` and throttle checks classify them unchanged:
+every failure. Failures come out as two exception types of ``reply``, both subclasses of botocore's, so
+``translate()`` and the throttle checks classify them as botocore's own:
 
 - ``S3HTTPError`` (a ``ClientError``): the server answered with an error status. It carries ``status``,
   ``code`` (S3's error code from the XML body, or the status as text for bodiless answers such as HEAD's)
@@ -44,28 +46,26 @@ import html
 import os
 import re
 from collections.abc import Mapping
-from datetime import timezone
-from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import botocore.exceptions
 
-from lingctl.core.errors import UsageError
 from lingctl.core.storage.s3 import http_wire, sigv4
-from lingctl.core.storage.s3.client import S3Options, ca_bundle, certificate_error, translate
-from lingctl.core.storage.url import server_words
+from lingctl.core.storage.s3.client import S3Options, ca_bundle, certificate_error, profile_not_found, translate
+from lingctl.core.storage.s3.reply import (
+    META_PREFIX,
+    Headers,
+    S3ConnectionError,
+    S3HTTPError,
+    describe_wire,
+    http_error,
+)
 
-Headers = Mapping[str, str]  # case-insensitive (http_wire.Headers, or urllib3's HTTPHeaderDict via an https proxy)
-
-META_PREFIX = "x-amz-meta-"
-_CODE_RE = re.compile(r"<Code>([^<]*)</Code>")
-_MESSAGE_RE = re.compile(r"<Message>([^<]*)</Message>")
 _UPLOAD_ID_RE = re.compile(r"<UploadId>([^<]*)</UploadId>")
 _ETAG_RE = re.compile(r"<ETag>([^<]*)</ETag>")
 # Buckets that can be a DNS label under the endpoint's host; others go path style, as botocore's "auto" does.
 _DNS_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
-_EMPTY_HEADERS = http_wire.Headers()
 # The largest whole-object GET whose size the caller does not know (markers, manifests, doctor's probe
 # object, at most 1 GiB): a server that sends more is refused. Reads of listed objects are bounded by
 # their listed size instead, ranged reads by the range.
@@ -75,113 +75,15 @@ _SMALL_ANSWER = 1 << 20
 # CompleteMultipartUpload may take minutes (AWS: "several minutes"), sending a space every few seconds to
 # keep the connection open; its answer is bounded by this total time instead of the low-speed rule.
 _COMPLETE_S = 30 * 60.0
-_REPLY_HEADERS = (
-    ("ContentLength", "Content-Length"),
-    ("ETag", "ETag"),
-    ("LastModified", "Last-Modified"),
-    ("ChecksumCRC64NVME", "x-amz-checksum-crc64nvme"),
-    ("ChecksumType", "x-amz-checksum-type"),
-    ("ContentRange", "Content-Range"),
-)
 
 
-class S3HTTPError(botocore.exceptions.ClientError):
-    """An error answer from S3: HTTP ``status``, S3 error ``code`` and ``message``."""
-
-    def __init__(
-        self,
-        *,
-        status: int,
-        code: str,
-        message: str,
-        operation: str,
-        key: str,
-        request_id: str | None = None,
-        headers: Headers = _EMPTY_HEADERS,
-    ) -> None:
-        super().__init__(
-            {
-                "Error": {"Code": code, "Message": message},
-                "ResponseMetadata": {
-                    "HTTPStatusCode": status,
-                    "RequestId": request_id or "",
-                    "HTTPHeaders": {k.lower(): v for k, v in headers.items()},
-                },
-            },
-            operation,
-        )
-        self.status = status
-        self.code = code
-        self.message = message
-        self.key = key
-        self.request_id = request_id
-        self.headers = headers
-
-    def __reduce__(self) -> Any:  # ClientError's own would call __init__ with botocore's arguments
-        return _rebuild_http_error, (
-            self.status,
-            self.code,
-            self.message,
-            self.operation_name,
-            self.key,
-            self.request_id,
-        )
-
-
-def _rebuild_http_error(
-    status: int, code: str, message: str, operation: str, key: str, request_id: str | None
-) -> S3HTTPError:
-    return S3HTTPError(status=status, code=code, message=message, operation=operation, key=key, request_id=request_id)
-
-
-class S3ConnectionError(botocore.exceptions.EndpointConnectionError):
-    """No complete answer from ``endpoint_url``: ``error`` names what happened (refused, reset, timeout,
-    a body shorter than its Content-Length). Retryable; the request may or may not have taken effect."""
-
-    fmt = 'No complete answer from the endpoint URL "{endpoint_url}": {error}'
-
-
-def user_metadata(headers: Headers) -> dict[str, str]:
-    """The object's user metadata from a GET or HEAD answer: ``x-amz-meta-NAME`` as ``{name: value}``,
-    names lower-cased (AWS lower-cases them; some servers keep the sender's case)."""
-    cut = len(META_PREFIX)
-    return {name[cut:].lower(): value for name, value in headers.items() if name.lower().startswith(META_PREFIX)}
-
-
-def as_reply(headers: Headers, *, operation: str = "GetObject", key: str = "", whole: bool = False) -> dict[str, Any]:
-    """The fields of a boto3 HeadObject/GetObject reply that lingctl reads (``ContentLength``, ``ETag``,
-    ``LastModified`` as an aware datetime, ``Metadata``, ``ChecksumCRC64NVME``, ``ChecksumType``,
-    ``ContentRange``), built from raw answer headers, so one reply parser serves both clients.
-
-    A header that cannot mean what it should (a size that is not a number, a date that is not one) is an
-    ``S3HTTPError`` with code ``MalformedReply``, as is, with ``whole``, a missing size or date (the fields
-    a HEAD must carry): one line naming the header, never a traceback."""
-    reply: dict[str, Any] = {"Metadata": user_metadata(headers)}
-    for field, header in _REPLY_HEADERS:
-        value = headers.get(header)
-        if value is not None:
-            reply[field] = value
-
-    def malformed(what: str) -> S3HTTPError:
-        return S3HTTPError(status=200, code="MalformedReply", message=what, operation=operation, key=key)
-
-    if "ContentLength" in reply:
-        try:
-            reply["ContentLength"] = http_wire.content_length(reply["ContentLength"])
-        except http_wire.WireError as exc:
-            raise malformed(str(exc)) from None
-    if "LastModified" in reply:
-        try:
-            modified = parsedate_to_datetime(reply["LastModified"])
-        except (TypeError, ValueError, IndexError):
-            modified = None
-        if modified is None:
-            raise malformed(f"malformed Last-Modified {reply['LastModified'][:40]!r}")
-        # RFC 2822's "-0000" (zone unknown) parses without a zone; HTTP dates are GMT.
-        reply["LastModified"] = modified if modified.tzinfo else modified.replace(tzinfo=timezone.utc)
-    if whole and ("ContentLength" not in reply or "LastModified" not in reply):
-        raise malformed("the answer lacks Content-Length or Last-Modified")
-    return reply
+def _addressing(netloc: str, path: str, bucket: str, *, path_style: bool) -> tuple[str, str]:
+    """The Host header and the path prefix of the bucket's requests at the endpoint ``netloc``/``path``."""
+    # Dotted (or otherwise non-DNS) bucket names cannot be a virtual host under a TLS wildcard certificate;
+    # botocore sends them path style too.
+    if path_style or not _dns_compatible(bucket):
+        return netloc, f"{path.rstrip('/')}/{quote(bucket, safe='')}/"
+    return f"{bucket}.{netloc}", f"{path.rstrip('/')}/"
 
 
 def _dns_compatible(bucket: str) -> bool:
@@ -213,10 +115,7 @@ class SignedS3Client:
             # The same resolution as make_client: AWS_REGION, then AWS_DEFAULT_REGION or the profile's region.
             credentials, region = sigv4.resolve(options.profile, options.region)
         except botocore.exceptions.ProfileNotFound:
-            raise UsageError(
-                f"AWS profile {options.profile or os.environ.get('AWS_PROFILE')!r} not found",
-                hint="check ~/.aws/config or AWS_PROFILE",
-            ) from None
+            raise profile_not_found(options.profile or os.environ.get("AWS_PROFILE")) from None
         self.credentials: Any = None if unsigned else credentials
         if not unsigned and self.credentials is None:
             raise translate(botocore.exceptions.NoCredentialsError(), bucket, self.endpoint, 1)
@@ -227,14 +126,7 @@ class SignedS3Client:
             suffix = "amazonaws.com.cn" if self.region.startswith("cn-") else "amazonaws.com"
             endpoint = f"https://s3.{self.region}.{suffix}"
         parts = urlsplit(endpoint)
-        # Dotted (or otherwise non-DNS) bucket names cannot be a virtual host under a TLS wildcard
-        # certificate; botocore sends them path style too.
-        if path_style or not _dns_compatible(bucket):
-            self.host = parts.netloc
-            self._prefix = f"{parts.path.rstrip('/')}/{quote(bucket, safe='')}/"
-        else:
-            self.host = f"{bucket}.{parts.netloc}"
-            self._prefix = f"{parts.path.rstrip('/')}/"
+        self.host, self._prefix = _addressing(parts.netloc, parts.path, bucket, path_style=path_style)
         self._origin = f"{parts.scheme}://{self.host}"
         https = parts.scheme == "https"
         self._https = https
@@ -413,7 +305,7 @@ class SignedS3Client:
         )
         text = resp.data.decode("utf-8", errors="replace")
         if "<Error>" in text:
-            raise _http_error(resp, "CompleteMultipartUpload", key, status=500)
+            raise http_error(resp, "CompleteMultipartUpload", key, status=500)
         found = _ETAG_RE.search(text)
         return html.unescape(found.group(1)).replace("&quot;", "").strip('"') if found else ""
 
@@ -424,7 +316,18 @@ class SignedS3Client:
     def head_bucket(self) -> None:
         """HeadBucket: returns when the bucket exists and the credentials may use it; ``S3HTTPError`` 404 or
         403 otherwise (a HEAD answer has no body, so the code is the status)."""
-        self._send("HEAD", "HeadBucket", "", {}, None, target=self._prefix.rstrip("/") or "/")
+        self._send("HEAD", "HeadBucket", "", {}, None, target=self._bucket_target())
+
+    def list_objects(self, params: Mapping[str, str], *, limit: int) -> str:
+        """One ListObjectsV2 page of the bucket (``params``: the query, e.g. ``list-type``, ``prefix``,
+        ``continuation-token``), as the answer's text; an answer larger than ``limit`` bytes is refused."""
+        # Encoded exactly as SigV4 canonicalises it, so the signed query is the one sent.
+        query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
+        resp = self._send("GET", "ListObjectsV2", "", {}, None, target=self._bucket_target(), query=query, limit=limit)
+        return resp.data.decode("utf-8", errors="replace")
+
+    def _bucket_target(self) -> str:
+        return self._prefix.rstrip("/") or "/"
 
     # -- one request ------------------------------------------------------------------------------------
     def _send(
@@ -463,9 +366,9 @@ class SignedS3Client:
             if (cert := http_wire.certificate_failure(exc)) is not None:
                 raise certificate_error(where, cert) from exc  # retrying cannot fix it
             reached = not isinstance(exc, http_wire.ConnectError)
-            raise S3ConnectionError(endpoint_url=where, error=_describe_wire(exc), reached=reached) from exc
+            raise S3ConnectionError(endpoint_url=where, error=describe_wire(exc), reached=reached) from exc
         if resp.status >= 300:
-            raise _http_error(resp, operation, key)
+            raise http_error(resp, operation, key)
         return resp
 
 
@@ -483,33 +386,6 @@ def _checked_metadata(metadata: Mapping[str, str]) -> Mapping[str, str]:
         if not (name.isascii() and value.isascii() and name.isprintable() and value.isprintable()):
             raise ValueError(f"S3 metadata must be printable ASCII, got {name!r}: {value!r}")
     return metadata
-
-
-def _http_error(resp: Any, operation: str, key: str, *, status: int | None = None) -> S3HTTPError:
-    text = resp.data.decode("utf-8", errors="replace") if resp.data else ""
-    code_m, message_m = _CODE_RE.search(text), _MESSAGE_RE.search(text)
-    status = status or resp.status
-    # What the server says is data: shortened, and cleared of anything that looks like a credential (a
-    # server may echo the request's Authorization header back).
-    code = server_words(html.unescape(code_m.group(1))) if code_m else str(status)
-    message = server_words(html.unescape(message_m.group(1)) if message_m else (resp.reason or code))
-    return S3HTTPError(
-        status=status,
-        code=code,
-        message=message,
-        operation=operation,
-        key=key,
-        request_id=resp.headers.get("x-amz-request-id"),
-        headers=resp.headers,
-    )
-
-
-def _describe_wire(exc: http_wire.WireError) -> str:
-    """What went wrong in words, e.g. "Connection reset by peer" or "read timed out"."""
-    cause = exc.cause
-    if isinstance(cause, OSError) and cause.strerror and cause.strerror != exc.what:
-        return f"{exc.what} ({cause.strerror})"
-    return exc.what
 
 
 def _version() -> str:

@@ -1,8 +1,9 @@
 """The S3 store (AWS S3 or any S3-compatible server), through boto3, imported only when used.
 
 Every request goes through one ``retry.Retrier`` and its AIMD gate (botocore's own retries are off, so the
-retrier sees every failure and can lower concurrency on throttling). Recursive listings are the signed,
-parallel lister of ``s3_listing``; everything else is a boto3 call. What is recorded with each object (the
+retrier sees every failure and can lower concurrency on throttling). Recursive listings are the parallel
+lister of ``listing``, its pages sent by the signed client on the same gate and retry policy; everything
+else is a boto3 call. What is recorded with each object (the
 CRC64NVME, the source mtime in lingctl's and rclone's keys) is written and parsed by ``metadata``.
 
 The per-object requests that a tree of files repeats thousands of times (GET, HEAD, PUT, DELETE, and the
@@ -33,10 +34,11 @@ from lingctl.core.errors import (
     os_error,
 )
 from lingctl.core.storage.base import MultipartUploads, ObjectInfo, ObjectStore, Version
-from lingctl.core.storage.crawl import Crawl, Listed, ListStats, OnUnreadable
-from lingctl.core.storage.metadata import CHECKSUM_META, object_metadata, parse_reply
+from lingctl.core.storage.crawl import Listed, ListStats, OnUnreadable
+from lingctl.core.storage.metadata import CHECKSUM_META, object_metadata, parse_reply, unquoted_etag
 from lingctl.core.storage.retry import (
     Aimd,
+    Counters,
     Retrier,
     SourceChangedError,
     UploadGoneError,
@@ -53,10 +55,6 @@ log = logging.getLogger(__name__)
 _MiB = 1 << 20
 # Requests in flight per store when no gate is shared with it (babel passes one gate for all its stores).
 _DEFAULT_CONCURRENCY = 64
-
-
-def _etag(reply: dict[str, Any]) -> str | None:
-    return (reply.get("ETag") or "").strip('"') or None
 
 
 def list_buckets(options: S3Options, *, unsigned: bool = False) -> list[str]:
@@ -120,6 +118,10 @@ class S3Store(ObjectStore):
                     )
         return self._http
 
+    @property
+    def request_counters(self) -> Counters:
+        return self.retrier.counters
+
     def describe(self) -> str:
         return f"{self.url} at {self.endpoint or 'AWS S3'}"
 
@@ -153,10 +155,12 @@ class S3Store(ObjectStore):
     ) -> Iterator[list[Listed]]:
         from lingctl.core.storage.s3.listing import Range, S3Lister
 
-        lister = S3Lister(self.url, self.options, jobs, skip_dirs, gate=self.gate, within=within)
+        # The signed client (credentials resolved here, at once): lingctl's own SigV4 and keep-alive pool,
+        # without importing boto3 or botocore's signer, which a process that only lists would pay for.
+        lister = S3Lister(self.url, self.http, self.retrier, skip_dirs, within=within, endpoint=self.endpoint)
         start = within.rpartition("/")[0]
         first = Range(lister.prefix + (start + "/" if start else ""))
-        return Crawl(jobs, stats or ListStats(), lister.page, lister.close, on_unreadable).run(first)
+        return lister.walk(first, jobs, stats or ListStats(), on_unreadable)
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> Iterator[ObjectInfo]:
         if recursive:
@@ -181,7 +185,12 @@ class S3Store(ObjectStore):
                 kwargs["ContinuationToken"] = token
             page = self._call(f"{self.bucket}/{full}", self.client.list_objects_v2, **kwargs)
             entries = [
-                ObjectInfo(key=o["Key"][cut:], size=o["Size"], mtime=o["LastModified"].timestamp(), etag=_etag(o))
+                ObjectInfo(
+                    key=o["Key"][cut:],
+                    size=o["Size"],
+                    mtime=o["LastModified"].timestamp(),
+                    etag=unquoted_etag(o.get("ETag")),
+                )
                 for o in page.get("Contents", ())
                 if not o["Key"].endswith("/")
             ]  # no "directory markers"
@@ -201,7 +210,7 @@ class S3Store(ObjectStore):
 
     # -- reading ------------------------------------------------------------------------------------
     def head(self, key: str) -> ObjectInfo | None:
-        from lingctl.core.storage.s3.signed_http import as_reply
+        from lingctl.core.storage.s3.reply import as_reply
 
         full = self._key(key)
 
@@ -227,7 +236,7 @@ class S3Store(ObjectStore):
         )
         for o in reply.get("Contents", ()):
             if o["Key"] == full:
-                return Version(o["Size"], o["LastModified"].timestamp(), _etag(o))
+                return Version(o["Size"], o["LastModified"].timestamp(), unquoted_etag(o.get("ETag")))
         return None
 
     def read(self, key: str, offset: int = 0, length: int | None = None, *, pin: Version | None = None) -> bytes:
@@ -329,7 +338,7 @@ class S3Store(ObjectStore):
             checksum_crc64nvme_b64=crc.b64(),
             content_md5_b64=md5,
         )
-        etag = (headers.get("ETag") or "").strip('"') or None
+        etag = unquoted_etag(headers.get("ETag"))
         return ObjectInfo(key=key, size=crc.length, mtime=time.time(), checksum=crc.tagged(), etag=etag)
 
     def upload(self, key: str, path: Path) -> ObjectInfo:
@@ -448,7 +457,7 @@ def _check_version(what: str, pin: Version, headers: Mapping[str, str]) -> None:
     """Raise ``SourceChangedError`` unless a GET answer is of the pinned version: same ETag (when pinned)
     and the same total size (``Content-Range: bytes a-b/TOTAL``, or the length of a whole-object GET).
     Only these headers are read: whatever else the server sends does not matter here."""
-    etag = (headers.get("ETag") or "").strip('"') or None
+    etag = unquoted_etag(headers.get("ETag"))
     if pin.etag and etag and etag != pin.etag:
         raise SourceChangedError(f"{what}: the object was overwritten during the copy (ETag {pin.etag} -> {etag[:80]})")
     content_range = headers.get("Content-Range") or ""

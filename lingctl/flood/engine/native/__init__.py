@@ -29,7 +29,9 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +42,7 @@ from lingctl.core.private_dir import ensure_private_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADER = SOURCE.with_name("kernels.h")  # the entry points, documented; kernels.c includes it
 # -ffp-contract=fast: every a*b+c is one fused multiply-add, the same in vector and scalar code, so a
 # row's sums do not depend on how the compiler vectorised the loop that computed them.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-fPIC", "-shared", "-std=gnu11"]
@@ -54,6 +57,87 @@ _why_not: str | None = None  # the reason the last kernels() call returned None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
+_f32 = ctypes.c_float
+# Every entry point of kernels.h, its arguments in order (named as there) and its result: ctypes is told all of
+# them, so a call with a missing or extra argument fails in Python instead of reading garbage.
+_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, type[ctypes._SimpleCData]]]]] = {
+    "flood_moe_experts": (
+        None,
+        [
+            ("x", _ptr),
+            ("T", _i64),
+            ("D", _i64),
+            ("idx", _ptr),
+            ("Kt", _i64),
+            ("gate_up", _ptr),
+            ("down", _ptr),
+            ("E", _i64),
+            ("I", _i64),
+            ("e0", _i64),
+            ("e1", _i64),
+            ("outs", _ptr),
+            ("scratch", _ptr),
+            ("slot", _ptr),
+        ],
+    ),
+    "flood_moe_combine": (
+        None,
+        [
+            ("idx", _ptr),
+            ("wt", _ptr),
+            ("Kt", _i64),
+            ("D", _i64),
+            ("outs", _ptr),
+            ("y", _ptr),
+            ("t0", _i64),
+            ("t1", _i64),
+        ],
+    ),
+    "flood_attention": (
+        None,
+        [
+            ("q", _ptr),
+            ("H", _i64),
+            ("Dh", _i64),
+            ("kpool", _ptr),
+            ("vpool", _ptr),
+            ("Kh", _i64),
+            ("units", _ptr),
+            ("U", _i64),
+            ("keys", _ptr),
+            ("scale", _f32),
+            ("out", _ptr),
+            ("scores0", _ptr),
+            ("max_keys", _i64),
+        ],
+    ),
+    "flood_openmp": (ctypes.c_int, []),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> dict[str, Any]:
+    """The library's entry points, each with its argument and result types set from ``_SIGNATURES``."""
+    functions = {}
+    for name, (restype, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = [kind for _, kind in args]
+        functions[name] = fn
+    return functions
+
+
+def _require(ok: bool, what: str) -> None:
+    """A precondition of a kernel call: a ValueError naming it when it does not hold (never an ``assert``,
+    which ``python -O`` strips: the kernels read and write raw memory on the strength of these checks)."""
+    if not ok:
+        raise ValueError(f"flood kernel call: {what}")
+
+
+def _float32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    _require(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+    _require(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    _require(t.is_contiguous(), f"{name} must be contiguous")
+    _require(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
 
 
 def _cache_dir() -> Path:
@@ -89,7 +173,7 @@ def _build() -> Path | None:
     if cc is None:
         _fall_back("no C compiler was found (cc, gcc or clang on PATH, or CC)")
         return None
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + b"\0" + HEADER.read_bytes()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -139,17 +223,12 @@ class Kernels:
     thread with the same code, so the results are the same bits at any thread count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._experts = lib.flood_moe_experts
-        self._experts.restype = None
-        self._experts.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
-        self._combine = lib.flood_moe_combine
-        self._combine.restype = None
-        self._combine.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
-        self._attn = lib.flood_attention
-        self._attn.restype = None
-        self._attn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i64]
+        functions = _declare(lib)
+        self._experts = functions["flood_moe_experts"]
+        self._combine = functions["flood_moe_combine"]
+        self._attn = functions["flood_attention"]
         # With OpenMP the library spreads each call over torch's threads itself.
-        self.openmp = bool(lib.flood_openmp())
+        self.openmp = bool(functions["flood_openmp"]())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -182,19 +261,13 @@ class Kernels:
         gate_up_EDX: torch.Tensor,
         down_EID: torch.Tensor,
     ) -> torch.Tensor:
-        """Routed experts' weighted sum [T, D] (float32, contiguous inputs; ids checked in range)."""
-        t, d = x_TD.shape
-        k = idx_TK.shape[1]
+        """Routed experts' weighted sum [T, D]: float32 weights and input (the input and the routing are made
+        contiguous here), expert ids checked in range; a ValueError for anything the kernels cannot take."""
+        x, idx, w = _moe_inputs(x_TD, idx_TK, weight_TK, gate_up_EDX, down_EID)
+        t, d = x.shape
+        k = idx.shape[1]
         e, _, x2 = gate_up_EDX.shape
         i = x2 // 2
-        assert x_TD.dtype == gate_up_EDX.dtype == down_EID.dtype == torch.float32
-        assert gate_up_EDX.is_contiguous() and down_EID.is_contiguous() and down_EID.shape == (e, i, d)
-        assert self.moe_supported(d, i, k)
-        x = x_TD.contiguous()
-        idx = idx_TK.to(torch.int64).contiguous()
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e):
-            raise ValueError("expert id out of range")
-        w = weight_TK.to(torch.float32).contiguous()
         n = t * k
         outs = torch.empty(n, d, dtype=torch.float32)
         y = torch.empty(t, d, dtype=torch.float32)
@@ -241,20 +314,23 @@ class Kernels:
         q_THD: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        units_U4: torch.Tensor,
-        keys: torch.Tensor,
+        table: UnitTable,
         scale: float,
         out_THD: torch.Tensor,
-        max_keys: int,
     ) -> None:
-        """Fill the rows of ``out_THD`` that the units cover (see kernels.c for the unit layout)."""
+        """Fill the rows of ``out_THD`` that the table's units cover; a ValueError for anything the kernel
+        cannot take (the table itself was checked when it was made)."""
+        _require(q_THD.dim() == 3 and k_pool.dim() == 3, "q_THD and the KV pools must be 3-D")
         t, h, dh = q_THD.shape
-        assert q_THD.dtype == k_pool.dtype == v_pool.dtype == out_THD.dtype == torch.float32
-        assert q_THD.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
-        assert out_THD.is_contiguous() and units_U4.dtype == keys.dtype == torch.int64
-        units = units_U4.contiguous()
-        # work of a unit ~ queries x keys
-        work = (units[:, 1] * units[:, 3]).cumsum(0).tolist() if units.shape[0] else []
+        capacity, kh, _ = k_pool.shape
+        _float32("q_THD", q_THD, (t, h, dh))
+        _float32("out_THD", out_THD, (t, h, dh))
+        _float32("k_pool", k_pool, (capacity, kh, dh))
+        _float32("v_pool", v_pool, (capacity, kh, dh))
+        _require(kh > 0 and h % kh == 0, f"{h} query heads cannot share {kh} KV heads")
+        _require(table.rows <= t, f"the units cover {table.rows} rows; the step has {t}")
+        _require(table.slots <= capacity, f"the units read slot {table.slots - 1}; the pool holds {capacity}")
+        units, keys, max_keys = table.units_U4, table.keys, table.max_keys
 
         def part(a: int, b: int) -> Callable[[], None]:
             scores = torch.empty(max(1, max_keys), dtype=torch.float32)
@@ -264,7 +340,7 @@ class Kernels:
                 dh,
                 k_pool.data_ptr(),
                 v_pool.data_ptr(),
-                k_pool.shape[1],
+                kh,
                 units[a:].data_ptr(),
                 b - a,
                 keys.data_ptr(),
@@ -274,8 +350,73 @@ class Kernels:
                 max(1, max_keys),
             )
 
+        work = table.work
         parts = [(0, len(work))] if self.openmp else _split(work, torch.get_num_threads())
         self._run([part(a, b) for a, b in parts if b > a] or [lambda: None])
+
+
+def _moe_inputs(
+    x_TD: torch.Tensor,
+    idx_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    gate_up_EDX: torch.Tensor,
+    down_EID: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert kernel's input rows, expert ids (int64) and routing weights (float32), contiguous, once
+    every shape, dtype and id is checked against the weights."""
+    _require(x_TD.dim() == 2 and idx_TK.dim() == 2, "x_TD and idx_TK must be 2-D")
+    _require(gate_up_EDX.dim() == 3 and gate_up_EDX.shape[2] % 2 == 0, "gate_up_EDX must be [E, D, 2I]")
+    t, d = x_TD.shape
+    k = idx_TK.shape[1]
+    e, _, x2 = gate_up_EDX.shape
+    i = x2 // 2
+    _float32("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
+    _float32("down_EID", down_EID, (e, i, d))
+    x = x_TD.contiguous()
+    _float32("x_TD", x, (t, d))
+    _require(tuple(weight_TK.shape) == (t, k), f"weight_TK must have shape {[t, k]}, got {list(weight_TK.shape)}")
+    _require(not idx_TK.is_floating_point(), f"idx_TK must hold integers, got {idx_TK.dtype}")
+    _require(Kernels.moe_supported(d, i, k), f"widths D={d}, 2I={2 * i} and top-k {k} are not supported")
+    idx = idx_TK.to(torch.int64).contiguous()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e):
+        raise ValueError("expert id out of range")
+    return x, idx, weight_TK.to(torch.float32).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTable:
+    """A step's attention units as ``flood_attention`` reads them (see kernels.h), checked once when made:
+    every layer of the step reuses it. Made by ``of``, from copies that nothing else can change."""
+
+    units_U4: torch.Tensor  # int64 [U, 4]: (q_start, q_len, key_offset, key_len)
+    keys: torch.Tensor  # int64 slots, each unit's in position order
+    max_keys: int  # the most keys of any unit: the size of the score buffers
+    rows: int  # one past the last step row a unit covers
+    slots: int  # one past the largest slot a unit reads
+    work: list[int]  # running totals of queries x keys, unit by unit (splits the units between threads)
+
+    @staticmethod
+    def of(units_U4: torch.Tensor, keys: torch.Tensor, max_keys: int) -> UnitTable:
+        _require(units_U4.dtype == torch.int64 and keys.dtype == torch.int64, "units and keys must be int64")
+        _require(units_U4.dim() == 2 and units_U4.shape[1] == 4, f"units must be [U, 4], got {list(units_U4.shape)}")
+        _require(keys.dim() == 1, f"keys must be one row of slots, got shape {list(keys.shape)}")
+        units, keys = units_U4.clone(memory_format=torch.contiguous_format), keys.clone().contiguous()
+        if units.shape[0] == 0:
+            return UnitTable(units_U4=units, keys=keys, max_keys=max_keys, rows=0, slots=0, work=[])
+        q_start, q_len, key_offset, key_len = units.unbind(1)
+        _require(int(units.min()) >= 0, "a unit has a negative entry")
+        _require(int((key_offset + key_len).max()) <= keys.numel(), f"a unit's keys run past the {keys.numel()} keys")
+        _require(int(key_len.max()) <= max_keys, f"a unit has more than max_keys={max_keys} keys")
+        _require(not bool((key_len < q_len).any()), "a unit has fewer keys than queries")
+        _require(keys.numel() == 0 or int(keys.min()) >= 0, "a key slot is negative")
+        return UnitTable(
+            units_U4=units,
+            keys=keys,
+            max_keys=max_keys,
+            rows=int((q_start + q_len).max()),
+            slots=int(keys.max()) + 1 if keys.numel() else 0,
+            work=(q_len * key_len).cumsum(0).tolist(),  # work of a unit ~ queries x keys
+        )
 
 
 def _split(cumulative: list[int], parts: int) -> list[tuple[int, int]]:

@@ -5,8 +5,10 @@
    alone, with a fixed order of additions, so a row's bits never depend on which other rows share the call
    or how many there are: batch invariance by construction, at any row count (no padding needed).
 
-   Built by lingctl/flood/engine/native.py with the system C compiler; all pointers are to contiguous float32 or
-   int64 arrays whose sizes the caller checked. */
+   Built by lingctl/flood/engine/native/__init__.py with the system C compiler. kernels.h documents each entry
+   point: its arrays (contiguous float32 or int64) and the sizes and ranges the caller checks before calling. */
+
+#include "kernels.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -72,10 +74,7 @@ static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, in
     }
 }
 
-/* Routed experts of one layer, the experts [e0, e1) of it (callers split the experts between threads).
-   x [T, D]; idx [T, Kt] expert ids (checked by the caller); gate_up [E, D, 2I]; down [E, I, D];
-   outs [T*Kt, D]: row n is written with the output of routed slot n when its expert is in [e0, e1).
-   scratch: at least (N + MB) * (D + 3I) floats and N int64s (slot) after them, N = T*Kt. */
+/* Routed experts of one layer, the experts [e0, e1) of it: see kernels.h. */
 void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
                        const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                        float *scratch, int64_t *slot) {
@@ -140,7 +139,8 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
     free(count);
 }
 
-/* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1). */
+/* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1)
+   (kernels.h). */
 void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t D, const float *outs, float *y,
                        int64_t t0, int64_t t1) {
     int64_t kn = Kt < 64 ? Kt : 64;
@@ -181,12 +181,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* Attention of query rows over the KV pool, one unit (a run of queries of one request) at a time.
-   q [T, H, Dh]; kpool, vpool [capacity, Kh, Dh]; units [U, 4] = (q_start, q_len, key_offset, key_len):
-   the unit's keys are slots keys[key_offset : key_offset + key_len] in position order, and its query i
-   (0-based) sees the first key_len - q_len + i + 1 of them (causal, bottom-right aligned).
-   out [T, H, Dh] (rows of units written). scores0: at least max_keys floats (the first thread's; the others
-   allocate their own). */
+/* Attention of query rows over the KV pool, one unit (a run of queries of one request) at a time, causal and
+   bottom-right aligned: see kernels.h for the unit layout. */
 void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
                      const int64_t *units, int64_t U, const int64_t *keys, float scale, float *out,
                      float *scores0, int64_t max_keys) {
@@ -242,8 +238,7 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
     }
 }
 
-/* 1 when built with OpenMP: the calls then spread over torch's own OpenMP threads (same runtime, same
-   thread count), and the caller does not split the work itself. */
+/* 1 when built with OpenMP (kernels.h). */
 int flood_openmp(void) {
 #ifdef _OPENMP
     return 1;

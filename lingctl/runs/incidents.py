@@ -1,4 +1,5 @@
-"""``RUN/incidents.jsonl``: one JSON line per incident the run met and what was done about it.
+"""``RUN/incidents.jsonl``: one JSON line per incident the run met and what was done about it; and
+``RUN/incidents/``, the files an incident points to (a hang's verdict, the step records a restart abandoned).
 
 Written by whoever handled the incident: the launcher for hangs and crashes (it restarts the workers), rank 0
 for divergence (rolled back in the workers) and for straggler and routing warnings. Each line is appended
@@ -29,11 +30,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lingctl.runs.layout import INCIDENT_DIR, INCIDENTS  # noqa: F401 (the names live with the run layout)
+from lingctl.core.atomic import atomic_write
+from lingctl.runs.layout import INCIDENT_DIR, INCIDENTS
 from lingctl.runs.records import is_int, is_number, read_records
 
 KINDS = ("hang", "crash", "divergence", "straggler", "routing")
 ACTIONS = ("restart", "rollback", "warn", "give_up")
+
+# The files under RUN/incidents/ (a resumed job counts its attempts from 0 again: a taken name gets -2, -3 ...).
+HANG_VERDICT = "hang-attempt-{attempt}"  # .json: the hang detector's verdict, stacks and all
+ABANDONED = "attempt-{attempt}-abandoned"  # .jsonl: the step records a restart took out of metrics.jsonl
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,3 +115,38 @@ def check_incident(record: dict[str, Any]) -> str | None:
         if not is_number(details.get("lr_factor", 1.0)):
             return "lr_factor is not a number"
     return None
+
+
+def write_file(run_local: Path, stem: str, suffix: str, data: bytes) -> str | None:
+    """``data`` as a new file ``RUN/incidents/STEM.SUFFIX`` (or ``STEM-2.SUFFIX``, ... when the name is taken);
+    its name relative to the run, or None when no name was free. The name is taken exclusively, then the
+    content replaces it whole, so a reader never sees half a file and no writer overwrites another's."""
+    folder = Path(run_local) / INCIDENT_DIR
+    folder.mkdir(exist_ok=True)
+    for n in range(1, 100):
+        name = f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}"
+        try:
+            os.close(os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        except FileExistsError:
+            continue
+        with atomic_write(folder / name) as (_, f):
+            f.write(data)
+        return f"{INCIDENT_DIR}/{name}"
+    return None
+
+
+def abandoned_records(run_local: Path, attempt: int) -> str | None:
+    """The file of step records that the restart after ``attempt`` took out of metrics.jsonl, relative to
+    the run (rank 0 of the next attempt writes it); None when there is none."""
+    kept = sorted((Path(run_local) / INCIDENT_DIR).glob(ABANDONED.format(attempt=attempt) + "*.jsonl"))
+    return f"{INCIDENT_DIR}/{kept[-1].name}" if kept else None
+
+
+def files(run_local: Path) -> list[str]:
+    """incidents.jsonl and the files under incidents/ that exist, relative to the run (what an s3:// run
+    uploads)."""
+    run_local = Path(run_local)
+    names = [INCIDENTS] if (run_local / INCIDENTS).is_file() else []
+    if (run_local / INCIDENT_DIR).is_dir():
+        names += sorted(f"{INCIDENT_DIR}/{p.name}" for p in (run_local / INCIDENT_DIR).iterdir() if p.is_file())
+    return names

@@ -1,4 +1,5 @@
-"""The launcher's watchdog: tells a hung job from a slow one by reading every worker's trace ring from outside.
+"""The launcher's hang detector: tells a hung job from a slow one by reading every worker's trace ring from
+outside.
 
 Each worker runs with the timer's tracer (``lingctl.timer``), whose shared-memory ring says, at no cost to the
 worker, how many traced calls it has finished (collectives, point-to-point, optimizer steps, forwards, data
@@ -9,28 +10,25 @@ the collective the others wait in and the stuck rank's Python stacks, and the wo
 rank blocked in a collective never reads a gentler signal) so that the launcher can restart them.
 
 Before an attempt's first step (tokenizing data, building the model, loading a checkpoint) a worker may work
-alone for long while the others wait in a broadcast: the watchdog then waits at least ``STARTUP_GRACE_S``.
+alone for long while the others wait in a broadcast: the detector then waits at least ``STARTUP_GRACE_S``.
 
-The hang timeout, unless given, follows the run's own figures in ``RUN/metrics.jsonl``:
+The hang timeout, unless given, follows the run's own figures in ``RUN/metrics.jsonl`` (``MetricsTail``):
 max(``MIN_HANG_TIMEOUT_S``, ``STEP_FACTOR`` x the median step time), and never shorter than ``SAVE_FACTOR`` x
 the longest checkpoint save seen (a save is file I/O with no traced call).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lingctl.runs.records import is_int, is_number
+from lingctl.runs.metrics_tail import MetricsTail
 
 log = logging.getLogger(__name__)
 
@@ -55,80 +53,6 @@ def hang_timeout(explicit: float | None, step_times: list[float], longest_save_s
     return timeout
 
 
-class MetricsTail:
-    """What the launcher needs from ``RUN/metrics.jsonl``, read incrementally: step times, save times, the
-    last step, and the first step record written after a given moment. The file is rewritten (a new file
-    under the same name) when a restarted run drops the records after its checkpoint: then it is read again
-    from its start."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._inode: int | None = None
-        self._offset = 0
-        self._partial = b""
-        self.steps: dict[int, tuple[float | None, float | None]] = {}  # step -> (step_s, wall time)
-        self.longest_save_s: float | None = None
-
-    def poll(self) -> None:
-        with self._lock:
-            try:
-                st = os.stat(self.path)
-            except OSError:
-                return
-            if st.st_ino != self._inode or st.st_size < self._offset:
-                self._inode, self._offset, self._partial = st.st_ino, 0, b""
-                self.steps = {}
-            if st.st_size == self._offset:
-                return
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(self._offset)
-                    data = f.read(st.st_size - self._offset)
-            except OSError:
-                return
-            self._offset += len(data)
-            lines = (self._partial + data).split(b"\n")
-            self._partial = lines.pop()  # a line still being written
-            for line in lines:
-                self._take(line)
-
-    def _take(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            return
-        if not isinstance(record, dict) or not is_int(record.get("step")):
-            return
-        if record.get("event") == "step":
-            self.steps[record["step"]] = (_number(record.get("step_s")), _number(record.get("time")))
-        elif record.get("event") == "checkpoint":
-            save = _number(record.get("save_s"))
-            if save is not None:
-                self.longest_save_s = max(self.longest_save_s or 0.0, save)
-
-    def step_times(self) -> list[float]:
-        with self._lock:
-            return [s for _, (s, _) in sorted(self.steps.items()) if s is not None]
-
-    def last_step(self) -> int | None:
-        with self._lock:
-            return max(self.steps, default=None)
-
-    def first_step_since(self, wall: float) -> tuple[int, float] | None:
-        """The earliest step record written at or after Unix time ``wall``: (step, time)."""
-        with self._lock:
-            later = [(t, s) for s, (_, t) in self.steps.items() if t is not None and t >= wall]
-        if not later:
-            return None
-        t, s = min(later)
-        return s, t
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if is_number(value) else None
-
-
 @dataclass(slots=True)
 class _Worker:
     pid: int
@@ -144,7 +68,7 @@ class _Worker:
 
 @dataclass(kw_only=True, slots=True)
 class HangVerdict:
-    """What the watchdog found when it declared a hang (``details`` goes to the verdict file)."""
+    """What the detector found when it declared a hang (``details`` goes to the verdict file)."""
 
     ranks: list[int]  # the ranks that never arrived (all ranks when the diagnosis could not tell)
     detected_after_s: float
@@ -155,7 +79,7 @@ class HangVerdict:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class Watchdog:
+class HangDetector:
     """Watches one attempt: the workers of the torchrun process ``launcher_pid``."""
 
     def __init__(
@@ -180,9 +104,9 @@ class Watchdog:
         self._started = time.monotonic()
         self._last_progress = self._started
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lingctl-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="lingctl-hang-detector", daemon=True)
 
-    def start(self) -> Watchdog:
+    def start(self) -> HangDetector:
         self._thread.start()
         return self
 
@@ -204,8 +128,8 @@ class Watchdog:
             try:
                 if self.check():
                     return
-            except Exception as exc:  # the watchdog must never take the job down: it stops watching
-                log.warning("the watchdog stopped watching: %r", exc)
+            except Exception as exc:  # the detector must never take the job down: it stops watching
+                log.warning("the hang detector stopped watching: %r", exc)
                 return
 
     # -- one look -----------------------------------------------------------------------------------
@@ -227,7 +151,7 @@ class Watchdog:
                 self._last_progress = now
         world = max((w.world for w in self._workers.values()), default=0)
         if world == 0 or alive < world or any(w.gone_mono is not None for w in self._workers.values()):
-            return False  # starting, or ending (a worker exited): torchrun sees exits, the watchdog hangs
+            return False  # starting, or ending (a worker exited): torchrun sees exits, the detector hangs
         if any(w.reader is None or not w.enabled for w in self._workers.values()):
             return False  # a worker without a working tracer (none started, or it disabled itself) cannot be judged
         stepped = any(w.step > 0 for w in self._workers.values())

@@ -6,7 +6,6 @@ incidents.jsonl, the target from the checkpoint's saved training config. Nothing
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -14,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.errors import NotFoundError
-from lingctl.model.checkpoint_files import TRAIN_CONFIG
+from lingctl.runs.checkpoints import run_target_steps
+from lingctl.runs.incidents import read as read_incidents
 from lingctl.runs.layout import LATEST, METRICS, parse_latest
 from lingctl.runs.records import read_records
-from lingctl.train.supervise.incidents import read as read_incidents
 
 THROUGHPUT_STEPS = 10  # "current throughput": the mean over this many last steps
 
@@ -39,33 +38,21 @@ class RunStatus:
     finished: bool = False
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return read_records(path) if path.exists() else []
-
-
 def run_status(run: Path, *, recent: int = 5) -> RunStatus:
     run = Path(run)
     if not (run / METRICS).exists() and not (run / LATEST).exists():
         raise NotFoundError(f"{run} is not a lingctl training run (no {METRICS} or {LATEST})")
-    records = _records(run / METRICS)
+    records = read_records(run / METRICS) if (run / METRICS).exists() else []
     steps = [r for r in records if r.get("event") == "step"]
     evals = [r for r in records if r.get("event") == "eval"]
-    latest = None
-    if (run / LATEST).exists():
-        latest = parse_latest((run / LATEST).read_bytes(), str(run / LATEST))
-    target = None
-    if latest is not None:
-        try:
-            target = int(json.loads((run / latest["path"] / TRAIN_CONFIG).read_text())["steps"])
-        except (OSError, ValueError, KeyError, TypeError, OverflowError):
-            target = None
+    latest = parse_latest((run / LATEST).read_bytes(), str(run / LATEST)) if (run / LATEST).exists() else None
+    target = run_target_steps(run)
     last = steps[-1] if steps else None
     window = steps[-THROUGHPUT_STEPS:]
     incidents = read_incidents(run)
-    step = int(last["step"]) if last else int(latest["step"]) if latest else 0
     return RunStatus(
         run_dir=str(run),
-        step=step,
+        step=int(last["step"]) if last else int(latest["step"]) if latest else 0,
         target_steps=target,
         tokens=int(last["tokens"]) if last else 0,
         last_loss=float(last["loss"]) if last else None,

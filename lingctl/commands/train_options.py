@@ -1,0 +1,164 @@
+"""``lingctl train``'s options: the run's own (where it is, how it starts, the launcher of several workers) as
+``Annotated`` aliases, and one option per training setting, derived from the settings' declaration.
+
+A setting is declared once, as a field of ``lingctl.runs.train_config.TrainConfig`` whose metadata names its
+flag and help text (``lingctl.runs.settings``). :func:`with_settings` turns every such field into an option of
+a command, in place of the command's ``settings`` parameter; the command receives the values given as one
+mapping of dotted setting names, None for those not given (what ``lingctl.train.run.train`` takes as
+overrides). Range rules are the settings' own, checked the same way for a flag, ``--set`` and a TOML file.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from lingctl.commands.options import DURATION_FORMS, duration
+from lingctl.runs.settings import Setting, walk
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Settings = dict[str, Any]  # dotted setting name -> the value given on the command line (None: not given)
+
+OutOpt = Annotated[
+    str | None,
+    typer.Option("--out", "-o", help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME)."),
+]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")]
+AdoptOpt = Annotated[
+    bool,
+    typer.Option(
+        "--adopt",
+        help="Let --out be an existing directory that holds other files: the run adds its own files "
+        "(listed in lingctl-run.json) and never overwrites or deletes the others; a name it "
+        "needs that is taken is refused.",
+    ),
+]
+CacheDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache-dir",
+        help="Node-local fast disk for s3:// runs: checkpoints land here and upload in the "
+        "background (default: ~/.cache/lingctl/runs).",
+    ),
+]
+NprocOpt = Annotated[
+    int,
+    typer.Option(
+        "--nproc",
+        min=1,
+        help="Workers on this machine, started by torch.distributed.run (torchrun); on many "
+        "machines run 'torchrun ... -m lingctl train' instead.",
+    ),
+]
+MaxRestartsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-restarts",
+        min=0,
+        help="With --nproc: restart all workers from the last checkpoint this many times after one crashes "
+        "or the job hangs (never after bad settings or a stop) [default: 3 with the watchdog, else 0].",
+    ),
+]
+HangTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--hang-timeout",
+        parser=duration,
+        metavar="DURATION",
+        help=f"Watchdog: a job with no progress on any worker for this long is hung ({DURATION_FORMS}) "
+        "[default: max(25s, 10 x the median step), at least 2 x the longest checkpoint save].",
+    ),
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", metavar="KEY=VALUE", help="Any setting, e.g. moe.balance_coef=0.02 or model.num_hidden_layers=2."
+    ),
+]
+
+
+def with_settings(cls: type) -> Callable[[F], F]:
+    """A decorator: the command gets an option for every setting of ``cls`` that names a flag, where its
+    ``settings`` parameter is, and is called with their values as ``settings`` (a :data:`Settings`)."""
+    defaults = cls()
+    options = {
+        _name(s): (dotted, _annotation(kind, s, _default_shown(defaults, dotted)))
+        for dotted, kind, s in walk(cls)
+        if s.flag
+    }
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        params: list[inspect.Parameter] = []
+        for p in signature.parameters.values():
+            if p.name != "settings":
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+                continue
+            for name, (_, annotation) in options.items():
+                params.append(
+                    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+                )
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            given = {dotted: _given(kwargs.pop(name)) for name, (dotted, _) in options.items()}
+            return command(settings=given, **kwargs)
+
+        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _name(s: Setting) -> str:
+    """The option's parameter name, from its flag (``--max-seconds``: ``max_seconds``)."""
+    assert s.flag_name is not None
+    return s.flag_name.lstrip("-").replace("-", "_")
+
+
+def _default_shown(defaults: Any, dotted: str) -> str | bool:
+    """The setting's default as ``--help`` shows it; nothing for one that has none of its own (None: the
+    preset's, or decided at run time, as its help says)."""
+    value = defaults
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    if value is None or value == [] or isinstance(value, bool):
+        return False
+    return str(value)
+
+
+def _annotation(kind: Any, s: Setting, shown: str | bool) -> Any:
+    """``Annotated[T | None, typer.Option(...)]`` for a setting of type ``kind`` (None: not given)."""
+    assert s.flag is not None
+    decls = [s.flag, *([s.short] if s.short else [])]
+    option = typer.Option(
+        *decls,
+        help=s.help.replace("{duration}", DURATION_FORMS) if s.help else None,
+        metavar=s.metavar,
+        parser=duration if s.duration else None,
+        show_default=shown,
+    )
+    return Annotated[_optional(kind), option]
+
+
+def _optional(kind: Any) -> Any:
+    """``kind | None`` (``kind`` may already allow None)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
+        return kind
+    return typing.Optional[kind]  # noqa: UP045 (built at run time from a type object)
+
+
+def _given(value: Any) -> Any:
+    """None for an option not given (a repeatable one gives an empty list)."""
+    if isinstance(value, list | tuple):
+        return list(value) or None
+    return value

@@ -1,0 +1,60 @@
+"""The answer to one request of ``flood run``: a completion or chat completion body in OpenAI's format, or
+the error line of a request that the engine refused or that failed while it ran."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from lingctl.core.names import printable
+from lingctl.flood.batch.output import BatchOutput
+from lingctl.flood.batch.requests import Request
+from lingctl.flood.engine.loop import GenResult
+from lingctl.model.hub import parse_repo_id
+
+log = logging.getLogger(__name__)
+
+
+def answer_body(req: Request, res: GenResult, text: str, model: str) -> dict[str, Any]:
+    """The ``body`` of a finished request: a chat completion for a chat request, else a completion.
+    ``model``: the answer's model when the request names none."""
+    prefix, kind = ("chatcmpl", "chat.completion") if req.is_chat else ("cmpl", "text_completion")
+    content = {"message": {"role": "assistant", "content": text}} if req.is_chat else {"text": text}
+    usage = {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": len(res.token_ids),
+        "total_tokens": res.prompt_tokens + len(res.token_ids),
+        "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+    }
+    choice = {**content, "finish_reason": res.finish_reason, "logprobs": None, "token_ids": res.token_ids}
+    return {
+        "id": f"{prefix}-{secrets.token_hex(12)}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": req.model or model,
+        "choices": [{"index": 0, **choice}],
+        "usage": usage,
+    }
+
+
+def model_name(spec: Path | str, path: Path) -> str:
+    """The ``model`` field of answers to requests that name none: a Hub id as given (``org/name``, as vLLM
+    serves it), not its snapshot's commit hash; a local directory by its name."""
+    hub_id = None if Path(spec).exists() else parse_repo_id(str(spec))
+    return hub_id.repo_id if hub_id is not None else path.name
+
+
+def write_failure(output: BatchOutput, req: Request, res: GenResult) -> None:
+    """A request the engine refused (code invalid_request, status 400) or that failed while running (code
+    internal_error, status 500, as the Batch API reports a server-side failure of one request)."""
+    message = res.error or "failed"
+    if res.internal:
+        log.warning("request %s failed: %s", printable(req.custom_id), message)
+        output.write_error(
+            custom_id=req.custom_id, line=req.line, code="internal_error", message=message, status_code=500
+        )
+    else:
+        output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_request", message=message)

@@ -1,0 +1,59 @@
+/* flood's float32 CPU kernels: the entry points that lingctl/flood/engine/native/__init__.py calls through
+   ctypes (its _SIGNATURES table declares each one's argument and result types in this order).
+
+   Every array is contiguous (row-major) and every size is in elements. The callers check each size, shape,
+   dtype and index range below before calling: the kernels trust them and do not check again.
+
+   Shape legend: T tokens (rows) of the step, D hidden size, E experts, I expert width (2I: gate and up rows
+   fused), Kt experts per token, N = T * Kt routed slots, H query heads, Kh key/value heads, Dh head size,
+   U attention units, C KV pool capacity in slots. */
+
+#ifndef LINGCTL_FLOOD_KERNELS_H
+#define LINGCTL_FLOOD_KERNELS_H
+
+#include <stdint.h>
+
+/* Routed experts of one layer, experts [e0, e1) of it (a caller without OpenMP splits the experts between
+   threads; with OpenMP one call takes all of them and spreads them itself).
+     x        [T, D] float32: the layer's input rows
+     idx      [T, Kt] int64: each token's expert ids, every one in [0, E)
+     gate_up  [E, D, 2I] float32: gate and up weights, input-major
+     down     [E, I, D] float32: down weights, input-major
+     outs     [N, D] float32: row n is written with the output of routed slot n when its expert is in [e0, e1)
+     scratch  at least (N + 8) * (D + 3I) floats: the calling thread's rows, activations and products
+     slot     at least N int64s
+   D and 2I are multiples of 32 (every column block full); 0 <= e0 <= e1 <= E. */
+void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
+                       const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                       float *scratch, int64_t *slot);
+
+/* The weighted sum of each token's routed outputs, rows [t0, t1) of y.
+     idx  [T, Kt] int64: expert ids (the sum runs in ascending expert id, so a row's bits are fixed)
+     wt   [T, Kt] float32: routing weights
+     outs [N, D] float32: what flood_moe_experts wrote
+     y    [T, D] float32: written
+   Kt <= 64; 0 <= t0 <= t1 <= T. */
+void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t D, const float *outs, float *y,
+                       int64_t t0, int64_t t1);
+
+/* Causal attention of query rows over the segment KV cache, one unit (a run of queries of one request) at a
+   time.
+     q        [T, H, Dh] float32
+     kpool    [C, Kh, Dh] float32; vpool the same shape. H is a multiple of Kh (grouped-query attention)
+     units    [U, 4] int64 (q_start, q_len, key_offset, key_len): the unit's keys are the slots
+              keys[key_offset : key_offset + key_len] in position order, and its query i (0-based) sees the
+              first key_len - q_len + i + 1 of them. q_start + q_len <= T, key_len >= q_len >= 0.
+     keys     int64 slots in [0, C)
+     scale    the softmax scale
+     out      [T, H, Dh] float32: the rows of every unit written
+     scores0  at least max_keys floats (the first thread's; the others allocate their own)
+     max_keys >= every unit's key_len */
+void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
+                     const int64_t *units, int64_t U, const int64_t *keys, float scale, float *out,
+                     float *scores0, int64_t max_keys);
+
+/* 1 when built with OpenMP: the calls then spread over torch's own OpenMP threads (same runtime, same
+   thread count), and the caller does not split the work itself. */
+int flood_openmp(void);
+
+#endif
