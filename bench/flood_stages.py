@@ -97,6 +97,7 @@ def main() -> None:
             finally:
                 engine.close()
             tokens = args.requests * args.new
+            assert best is not None  # two timed rounds ran
             results[name] = {
                 "seconds": round(best, 3),
                 "tokens_per_s": round(tokens / best, 1),

@@ -67,11 +67,12 @@ from pathlib import Path
 # torch loads. vLLM's processes get the environment as it was (see VllmSide).
 USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 try:
-    from lingctl.flood.engine.threads import prefer_passive_wait
+    from lingctl.flood.engine import threads as flood_threads
 except ImportError:  # a lingctl without a thread policy leaves OpenMP's defaults
     pass
 else:
-    prefer_passive_wait()
+    # Looked up by name: a lingctl whose thread policy has no prefer_passive_wait leaves them too.
+    getattr(flood_threads, "prefer_passive_wait", lambda: None)()
 
 import torch  # noqa: E402 (after the wait policy above)
 from flood_vs_hf import SEED, Workload, agreement, ling_config, run_flood, workload_a  # noqa: E402

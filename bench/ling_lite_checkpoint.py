@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lingctl.model.checkpoint import model_state  # noqa: E402
 from lingctl.model.checkpoint_files import CONFIG, WEIGHTS_INDEX  # noqa: E402
+from lingctl.model.config import LingConfig  # noqa: E402
 from lingctl.model.ling import LingForCausalLM  # noqa: E402
 from lingctl.model.presets import preset  # noqa: E402
 from lingctl.model.safetensors_io import DEFAULT_METADATA  # noqa: E402
@@ -31,7 +32,7 @@ POOL = 1 << 26
 PIECE = 1 << 25  # values per write (64 MiB of bf16)
 
 
-def shapes_of(layers: int) -> tuple[dict[str, tuple[int, ...]], object]:
+def shapes_of(layers: int) -> tuple[dict[str, tuple[int, ...]], LingConfig]:
     config = dataclasses.replace(preset("ling-lite"), num_hidden_layers=layers)
     with torch.device("meta"):
         state = model_state(LingForCausalLM(dataclasses.replace(config)))
@@ -76,7 +77,7 @@ def write(out: Path, layers: int, shards: int, seed: int) -> int:
                 for j in range(0, n, PIECE):
                     m = min(PIECE, n - j)
                     src = ones[:m] if name.endswith("norm.weight") else pool[start : start + m]
-                    f.write(memoryview(src.view(torch.uint8).numpy()))
+                    f.write(src.view(torch.uint8).numpy().data)  # the array's bytes, as a memoryview
                     start = (start + m) % POOL
                 weight_map[name] = file
         tmp.rename(out / file)

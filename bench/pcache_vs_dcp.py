@@ -29,7 +29,9 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support.dist when run as a script
 
@@ -55,7 +57,7 @@ MEM_MODES = ("async_save", "dcp.save", "lingctl", "torch.save")
 def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     """A small MoE's parameters in ``state_dict`` order (fp32): ~47 MiB, 235 tensors (quick: ~3 MiB)."""
     hidden, vocab, layers, experts, width = (128, 2048, 2, 4, 64) if quick else (256, 8192, 4, 16, 128)
-    shapes = [("embed.weight", (vocab, hidden))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"layers.{i}."
         shapes += [(p + "input_norm.weight", (hidden,))]
@@ -127,10 +129,13 @@ def save_worker(rank: int, world: int, root: str, bw: float, repeats: int, quick
         for sc, plan in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
             directory = Path(root) / f"{sc['key']}-{plan}-{rep}"
             node = rank // sc["ranks_per_node"]
-            throttle = NodeThrottle(Path(root) / "throttle" / f"{directory.name}-node{node}", sc["bandwidth"][node])
+            node_throttle = NodeThrottle(
+                Path(root) / "throttle" / f"{directory.name}-node{node}", sc["bandwidth"][node]
+            )
+            throttle: NodeThrottle | Throttles = node_throttle
             if "rank_bandwidth" in sc:
                 throttle = Throttles(
-                    throttle,
+                    node_throttle,
                     NodeThrottle(Path(root) / "throttle" / f"{directory.name}-rank{rank}", sc["rank_bandwidth"]),
                 )
             # No fsync: every emulated node shares this machine's one disk; the throttle is the node's disk.
@@ -171,7 +176,9 @@ def save_worker(rank: int, world: int, root: str, bw: float, repeats: int, quick
 # -- 2. peak memory ----------------------------------------------------------------------------------
 def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        assert match is not None
+        return int(match.group(1)) / 1024
 
 
 def memory_worker(rank: int, world: int, root: str, mode: str, quick: bool) -> float:
@@ -196,7 +203,8 @@ def memory_worker(rank: int, world: int, root: str, mode: str, quick: bool) -> f
         f.write("5")
     base = _status_mib("VmRSS")
     if mode == "async_save":
-        dcp.async_save(state, storage_writer=FileSystemWriter(directory)).result()
+        # With the default (blocking) staging, async_save returns the upload Future.
+        cast("Future[Any]", dcp.async_save(state, storage_writer=FileSystemWriter(directory))).result()
     elif mode == "dcp.save":
         dcp.save(state, storage_writer=FileSystemWriter(directory))
     elif mode == "lingctl":

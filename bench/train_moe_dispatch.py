@@ -21,10 +21,10 @@ import torch
 
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
-from lingctl.model.moe import SparseMoeBlock
+from lingctl.model.moe import Dispatch, SparseMoeBlock
 from lingctl.model.presets import preset
 
-VARIANTS = ("naive", "sorted", "grouped")
+VARIANTS: tuple[Dispatch, ...] = ("naive", "sorted", "grouped")
 
 
 def layer_config(hidden: int, width: int) -> LingConfig:
@@ -40,7 +40,7 @@ def layer_config(hidden: int, width: int) -> LingConfig:
     )
 
 
-def time_layer(block: SparseMoeBlock, x: torch.Tensor, dispatch: str, dtype: torch.dtype, iters: int) -> float:
+def time_layer(block: SparseMoeBlock, x: torch.Tensor, dispatch: Dispatch, dtype: torch.dtype, iters: int) -> float:
     block.dispatch = dispatch
     grad = torch.randn_like(x)
     start = time.perf_counter()
@@ -52,7 +52,7 @@ def time_layer(block: SparseMoeBlock, x: torch.Tensor, dispatch: str, dtype: tor
     return (time.perf_counter() - start) / iters
 
 
-def time_model(model: LingForCausalLM, ids: torch.Tensor, dispatch: str, iters: int) -> float:
+def time_model(model: LingForCausalLM, ids: torch.Tensor, dispatch: Dispatch, iters: int) -> float:
     model.set_dispatch(dispatch)
     start = time.perf_counter()
     for _ in range(iters):

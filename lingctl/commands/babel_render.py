@@ -19,7 +19,7 @@ from lingctl.babel.meter import Meter, Totals
 from lingctl.core.names import printable
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.storage.url import redact_url
-from lingctl.core.units import format_duration, format_whole_duration, format_size
+from lingctl.core.units import format_duration, format_size, format_whole_duration
 
 if TYPE_CHECKING:
     from lingctl.babel.listing import Entries

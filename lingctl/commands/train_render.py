@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lingctl.commands.status_view import StatusView
 from lingctl.core.output import Output, to_jsonable
-from lingctl.core.units import format_duration, format_whole_duration
+from lingctl.core.units import format_whole_duration
 from lingctl.runs.records import Record
 
 if TYPE_CHECKING:

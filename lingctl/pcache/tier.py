@@ -41,13 +41,11 @@ from lingctl.pcache.marker import (
     read_marker,
     sidecar_files,
     sidecar_name,
-    verify_local,
 )
 from lingctl.pcache.tier_status import record, recorded_remote, remote_problems, remote_sizes
 from lingctl.pcache.transfer import journal_dir, sync_files
 
-# read_marker and verify_local live in marker.py; the training loop reaches them through this module.
-__all__ = ["UploadResult", "Uploader", "finish_upload", "read_marker", "upload", "verify_local"]
+__all__ = ["UploadResult", "Uploader", "finish_upload", "upload"]
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from lingctl.model.safetensors_io import load_safetensors
 from lingctl.pcache.checkpoint import load as pcache_load
 from lingctl.pcache.checkpoint import save as pcache_save
 from lingctl.pcache.checkpoint import saved_keys
-from lingctl.pcache.tier import read_marker
+from lingctl.pcache.marker import read_marker
 from lingctl.runs.layout import METRICS, checkpoint_name
 from lingctl.runs.records import Record
 from lingctl.runs.train_config import TrainConfig

@@ -33,6 +33,7 @@ from lingctl.core.names import check_relative, join_under
 from lingctl.core.storage import LocalStore, ObjectStore, S3Options, StoreURL, open_store, parse_url
 from lingctl.model.checkpoint_files import STATE_DIR, TOKENIZER
 from lingctl.pcache import tier
+from lingctl.pcache.marker import verify_local
 from lingctl.runs.layout import (
     INCIDENT_FILES,
     LATEST,
@@ -160,7 +161,7 @@ class RunDir:
             self.store.download(key, join_under(self.local, key, what="store key"))
         state = self.local / rel / STATE_DIR
         if state.is_dir():
-            problems = tier.verify_local(state)
+            problems = verify_local(state)
             if problems:
                 raise LingctlError(f"{self.describe()}/{rel}/{STATE_DIR}: {problems[0]}")
 
@@ -169,7 +170,7 @@ class RunDir:
         the files uploaded after it are present with the sizes the store has."""
         ckpt = self.local / rel
         state = ckpt / STATE_DIR
-        if not state.is_dir() or tier.verify_local(state) or not (self.local / TOKENIZER).exists():
+        if not state.is_dir() or verify_local(state) or not (self.local / TOKENIZER).exists():
             return False
         for obj in self.store.list(rel + "/"):
             if obj.key.startswith(f"{rel}/{STATE_DIR}/"):

@@ -284,7 +284,7 @@ def test_default_state_dir_in_a_shared_place_must_be_private(tmp_path: Path, mon
     if how == "readable by others":  # mkdir's usual 0755: nobody else can plant entries, so it is used
         cache.chmod(0o755)
         state = prepare(src, dst, None, dry_run=False)
-        assert state.is_dir() and (state.stat().st_mode & 0o777) == 0o700
+        assert state is not None and state.is_dir() and (state.stat().st_mode & 0o777) == 0o700
         return
     if how == "open to others":
         cache.chmod(0o777)

@@ -10,8 +10,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -24,7 +25,7 @@ from lingctl.core.net import free_port
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3 import listing as s3_listing
 from lingctl.core.storage.s3.store import make_client
-from tests.support.fault_proxy import FaultProxy, every_nth_once, first_n
+from tests.support.fault_proxy import Fault, FaultProxy, every_nth_once, first_n
 
 # Every character the lister places range boundaries at, but "/" (a directory on the server's disk).
 ALPHABET = "-.0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz~"
@@ -129,7 +130,7 @@ def test_batches_stream_while_listing_goes_on(local_tree) -> None:
 def test_stopping_early_releases_the_workers(local_tree) -> None:
     root, _ = local_tree
     before = threading.active_count()
-    it = list_tree(str(root), jobs=8)
+    it = cast(Generator[list[Listed], None, None], list_tree(str(root), jobs=8))  # list_tree's is a generator
     assert next(it)
     it.close()
     assert threading.active_count() == before
@@ -262,7 +263,7 @@ def test_s3_sub_prefix_gives_relative_keys_and_skips_state_dirs(tree_bucket: str
 @pytest.mark.slow
 def test_s3_stopping_early_releases_the_workers(tree_bucket: str, s3_env) -> None:
     before = threading.active_count()
-    it = list_tree(f"s3://{tree_bucket}", jobs=8)
+    it = cast(Generator[list[Listed], None, None], list_tree(f"s3://{tree_bucket}", jobs=8))
     assert next(it)
     it.close()
     assert threading.active_count() == before
@@ -270,7 +271,7 @@ def test_s3_stopping_early_releases_the_workers(tree_bucket: str, s3_env) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["503", "reset"])
-def test_s3_transient_faults_are_retried(tree_bucket: str, s3_env, s3_server: LocalS3Server, fault: str) -> None:
+def test_s3_transient_faults_are_retried(tree_bucket: str, s3_env, s3_server: LocalS3Server, fault: Fault) -> None:
     with FaultProxy(s3_server.endpoint, rule=every_nth_once(3, fault)) as proxy:
         stats = ListStats()
         got = collect(list_tree(f"s3://{tree_bucket}", S3Options(endpoint_url=proxy.endpoint), stats=stats))

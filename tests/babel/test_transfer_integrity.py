@@ -91,7 +91,9 @@ def test_forgotten_upload_id_is_replaced_on_the_next_run(tmp_path, s3_bucket, s3
 
     with FaultProxy(s3_server.endpoint, rule=first_two_parts_only) as proxy:
         result = _syncer(str(src), dest, proxy.endpoint, state, attempts=1, part_size=5 * MiB, jobs=2).run()
-    assert result.failed and result.failure().exit_code == 5
+    assert result.failed
+    failure = result.failure()
+    assert failure is not None and failure.exit_code == 5
     with sqlite3.connect(state / "journal.sqlite") as db:
         (upload_id,) = db.execute("SELECT upload_id FROM uploads").fetchone()
         assert db.execute("SELECT COUNT(*) FROM parts").fetchone()[0] == 2

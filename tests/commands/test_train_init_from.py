@@ -50,7 +50,9 @@ def _source(root: Path, corpus: Path) -> tuple[Path, LingForCausalLM]:
     tok = train_tokenizer(texts, 400)
     cfg = preset("tiny")
     cfg.vocab_size = tok.get_vocab_size()
-    cfg.eos_token_id = cfg.pad_token_id = tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id("<|endoftext|>")
+    assert eos is not None
+    cfg.eos_token_id = cfg.pad_token_id = eos
     model = LingForCausalLM(cfg)
     model.init_weights(torch.Generator().manual_seed(7))
     src = root / "source"

@@ -94,16 +94,16 @@ def test_ddp_on_two_workers_trains_checkpoints_across_both_resumes_past_damaged_
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants):
         assert time.monotonic() < gone, "a worker outlived the launcher"
         time.sleep(0.05)
-    done = [r for r in records(out) if r.get("event") == "done"][0]
-    assert done["resumed_from"] == 8 and done["stopped"] == "interrupted" and done["steps"] >= 10
+    last = [r for r in records(out) if r.get("event") == "done"][0]
+    assert last["resumed_from"] == 8 and last["stopped"] == "interrupted" and last["steps"] >= 10
     latest = json.loads((run / "latest.json").read_text())
-    assert latest["step"] == done["steps"]
+    assert latest["step"] == last["steps"]
     assert json.loads((run / latest["path"] / "state" / "pcache.json").read_text())["world_size"] == 2
     # The history: each step once up to the checkpoint, the damaged lines kept as they were, the torn one gone.
     text = (run / "metrics.jsonl").read_text()
     assert all(text.count(line + "\n") == 1 for line in BAD_LINES) and '"st\n' not in text
     steps = [r["step"] for r in read_records(run / "metrics.jsonl") if r["event"] == "step"]
-    assert steps == list(range(1, done["steps"] + 1))
+    assert steps == list(range(1, last["steps"] + 1))
     one = lingctl("train", "--preset", "tiny", "--out", str(run), "--resume", "--steps", "12", timeout=120)
     assert one.returncode == 2 and "checkpointed by 2 worker(s)" in one.stderr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +23,7 @@ DATA = os.urandom(40_000)
 
 
 @pytest.fixture
-def client(s3_server: LocalS3Server, s3_bucket: str) -> SignedS3Client:
+def client(s3_server: LocalS3Server, s3_bucket: str) -> Iterator[SignedS3Client]:
     with SignedS3Client(S3Options(endpoint_url=s3_server.endpoint), s3_bucket) as c:
         yield c
 

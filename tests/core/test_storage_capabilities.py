@@ -8,6 +8,7 @@ import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -18,7 +19,7 @@ from lingctl.core.storage import ObjectStore, S3Options, SourceChangedError, Upl
 from lingctl.core.storage.metadata import object_metadata, parse_reply, rclone_time
 from lingctl.core.storage.retry import THROTTLE_CODES, Aimd
 from lingctl.core.storage.s3.client import translate
-from lingctl.core.storage.s3.store import make_client
+from lingctl.core.storage.s3.store import S3Store, make_client
 from tests.support.fault_proxy import FaultProxy, FaultRequest, first_n
 
 MiB = 1 << 20
@@ -155,7 +156,10 @@ def test_throttling_lowers_concurrency_and_is_retried(s3_server, s3_bucket: str,
     store.write("k", b"v")
     with FaultProxy(s3_server.endpoint, rule=first_n(2, "503")) as proxy:
         gate = Aimd(8, cooldown_s=0.0)
-        throttled = open_store(f"s3://{s3_bucket}/t", S3Options(endpoint_url=proxy.endpoint, max_attempts=4), gate=gate)
+        throttled = cast(
+            S3Store,
+            open_store(f"s3://{s3_bucket}/t", S3Options(endpoint_url=proxy.endpoint, max_attempts=4), gate=gate),
+        )
         assert throttled.read("k") == b"v"
     assert throttled.retrier.counters.throttled == 2 and throttled.retrier.counters.retries == 2
     assert gate.lowest == 2  # halved on each of the two SlowDowns: 8 -> 4 -> 2
@@ -169,7 +173,7 @@ def test_not_found_is_not_retried_and_not_guessed_from_text(s3_server, s3_bucket
         with lock:
             seen.append(r.method)
 
-    with FaultProxy(s3_server.endpoint, rule=count) as proxy:  # type: ignore[arg-type]
+    with FaultProxy(s3_server.endpoint, rule=count) as proxy:
         store = open_store(f"s3://{s3_bucket}/t", S3Options(endpoint_url=proxy.endpoint, max_attempts=5))
         assert store.head("absent") is None
         with pytest.raises(NotFoundError):

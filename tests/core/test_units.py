@@ -1,7 +1,7 @@
 import pytest
 
 from lingctl.core.errors import UsageError
-from lingctl.core.units import format_duration, format_whole_duration, format_size, parse_duration, parse_size
+from lingctl.core.units import format_duration, format_size, format_whole_duration, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,9 @@ def text_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab = tok.get_vocab_size()
     path = tmp_path_factory.mktemp("flood") / "text"
     model = tiny_model(vocab=vocab, seed=1)
-    model.config.eos_token_id = tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id("<|endoftext|>")
+    assert eos is not None
+    model.config.eos_token_id = eos
     save_checkpoint(model, path, tokenizer_json=tok.to_str())
     (path / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})

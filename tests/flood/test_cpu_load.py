@@ -66,6 +66,7 @@ def test_a_busy_competitor_shows_as_load_of_others(competitor: subprocess.Popen)
             break
     assert seen[-1] >= 0.5, f"others' load never reached half a core: {seen}"
     assert competitor.poll() is None  # it was measured while it ran
+    assert load is not None
     assert load.free_cores == pytest.approx(max(0.0, budget.usable_cores - load.others_cores))
 
 

@@ -183,8 +183,10 @@ def test_context_limit_and_bad_prompts_are_reported_per_request(model):
     ]
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=2048))
     out = {r.key: r for r in engine.generate(reqs)}
-    assert out["long"].finish_reason == "error" and "context" in out["long"].error
-    assert out["vocab"].finish_reason == "error" and "vocabulary" in out["vocab"].error
+    assert out["long"].finish_reason == "error" and out["long"].error is not None and "context" in out["long"].error
+    assert (
+        out["vocab"].finish_reason == "error" and out["vocab"].error is not None and "vocabulary" in out["vocab"].error
+    )
     assert out["edge"].finish_reason == "length" and len(out["edge"].token_ids) == 3
     assert out["ok"].finish_reason == "length" and len(out["ok"].token_ids) == 12
 
@@ -251,8 +253,18 @@ def test_a_request_that_fails_while_sampling_fails_alone():
     reqs = [GenRequest(key=i, prompt_ids=p, sampling=boom if i == 3 else hot) for i, p in enumerate(ps)]
     out = {r.key: r for r in engine.generate(reqs)}
     assert len(out) == 4
-    assert out[1].finish_reason == "error" and out[1].internal and "failed while sampling" in out[1].error
-    assert out[3].finish_reason == "error" and out[3].internal and "cannot decode these ids" in out[3].error
+    assert (
+        out[1].finish_reason == "error"
+        and out[1].internal
+        and out[1].error is not None
+        and "failed while sampling" in out[1].error
+    )
+    assert (
+        out[3].finish_reason == "error"
+        and out[3].internal
+        and out[3].error is not None
+        and "cannot decode these ids" in out[3].error
+    )
     assert len(out[3].token_ids) == 2  # what it had generated when it failed
     for i in (0, 2):
         alone = next(

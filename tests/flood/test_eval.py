@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lingctl.core.errors import Interrupted, UsageError
 from lingctl.flood.engine.options import EngineOptions
-from lingctl.flood.eval.run import EvalOptions, run_eval
+from lingctl.flood.eval.run import EvalOptions, EvalSummary, run_eval
 from lingctl.flood.eval.tasks import extract_answer, read_tasks
 from lingctl.model.checkpoint import load_checkpoint
 from lingctl.model.tokenizer import load_tokenizer
@@ -47,7 +48,7 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_jsonl(d / "mc.jsonl", mc_rows(12)), write_jsonl(d / "gen.jsonl", gen_rows(4))
 
 
-def evaluate(tasks: list[Path], model: Path, out: Path, **kw) -> tuple[object, list[dict]]:
+def evaluate(tasks: list[Path], model: Path | str, out: Path, **kw: Any) -> tuple[EvalSummary, list[dict]]:
     engine = EngineOptions(threads=1, **{k: kw.pop(k) for k in list(kw) if k in EngineOptions.__slots__})
     summary = run_eval(EvalOptions(tasks=tasks, model=model, out=out, engine=engine, **kw))
     return summary, [json.loads(line) for line in out.read_text().splitlines()]

@@ -29,7 +29,7 @@ def _linear(out_f: int, in_f: int, dtype: torch.dtype = torch.float32, bias: boo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(512, 256), (1000, 64), (96, 2048)])
-def test_a_row_gets_the_same_bits_whatever_shares_its_product(shape, dtype):
+def test_a_row_gets_the_same_bits_whatever_shares_its_product(shape: tuple[int, int], dtype: torch.dtype) -> None:
     lin = _linear(*shape, dtype=dtype, bias=shape[0] == 1000)
     p = PackedLinear.of(lin)
     assert p is not None
@@ -99,7 +99,7 @@ def test_a_stage_keeps_the_model_its_names_values_and_function():
     stack = stack_of(block)
     assert stack is not None
     # the experts' weights are views of the input-major stack: one copy of each weight
-    w = block.experts[3].up_proj.weight
+    w = block.expert(3).up_proj.weight
     assert w.untyped_storage().data_ptr() == stack.gate_up_EXD.untyped_storage().data_ptr()
     assert stack.gate_up_EXD.transpose(1, 2).is_contiguous()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lingctl.flood.weights.quantize import (
     quantize_model_,
 )
 from lingctl.model.config import LingConfig
-from lingctl.model.ling import LingForCausalLM
+from lingctl.model.ling import DecoderLayer, LingForCausalLM
 from lingctl.model.moe import Router, grouped_mm_available
 from lingctl.model.presets import preset
 
@@ -161,7 +162,7 @@ def test_bf16_model_quantizes_and_follows_the_bf16_model() -> None:
         ref = model(ids).logits
         report = quantize_model_(model, torch.bfloat16)
         got = model(ids).logits
-    q = model.model.layers[0].attention.query_key_value
+    q = cast(DecoderLayer, model.model.layers[0]).attention.query_key_value
     assert isinstance(q, Int8Linear) and q.scale.dtype == torch.bfloat16 and q.weight_q.dtype == torch.int8
     assert got.dtype == torch.bfloat16
     assert report.bytes_before == dense_weight_bytes(model.config, torch.bfloat16)
@@ -274,7 +275,7 @@ def test_state_dict_round_trip() -> None:
     ids=["tiny", "biases-tied", "all-moe-no-shared", "all-dense"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_estimates_match_the_real_tiny_model(overrides: dict[str, object], dtype: torch.dtype) -> None:
+def test_estimates_match_the_real_tiny_model(overrides: dict[str, Any], dtype: torch.dtype) -> None:
     config = dataclasses.replace(preset("tiny"), **overrides)
     model = tiny_model(config, dtype)
     assert model_bytes(model) == dense_weight_bytes(config, dtype) == config.num_parameters() * dtype.itemsize

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.model.config import LingConfig
-from lingctl.model.ling import LingForCausalLM
+from lingctl.model.ling import DecoderLayer, LingForCausalLM
 from lingctl.model.presets import PRESETS, preset
 
 # Keys a Hugging Face loader (vLLM, SGLang, transformers' BailingMoeConfig) needs spelled out: a missing one
@@ -113,7 +114,7 @@ def test_omitted_keys_take_bailing_class_defaults(tmp_path: Path) -> None:
     assert config.num_key_value_heads == 4
     # The default reaches the built model: use_bias puts a bias on attention.dense.
     model = LingForCausalLM(config)
-    assert model.model.layers[0].attention.dense.bias is not None
+    assert cast(DecoderLayer, model.model.layers[0]).attention.dense.bias is not None
 
 
 def test_wrong_model_type_is_an_error() -> None:

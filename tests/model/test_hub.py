@@ -86,7 +86,11 @@ def test_offline_and_not_cached_is_one_line_naming_id_revision_and_cache(hf_home
         repo_id = spec.split("@")[0]
         assert f"--model {repo_id}@{revision}" in err.message, err.message
         assert str(hf_home / "hub") in err.message and "HF_HUB_OFFLINE" in err.message
-        assert f"hf download {repo_id} --revision {revision}" in err.hint and "HF_HUB_OFFLINE" in err.hint
+        assert (
+            err.hint is not None
+            and f"hf download {repo_id} --revision {revision}" in err.hint
+            and "HF_HUB_OFFLINE" in err.hint
+        )
 
 
 def _closed_port() -> int:
@@ -114,7 +118,7 @@ def test_unreachable_hub_falls_back_to_the_cache_or_fails_in_one_line(hf_home, t
     assert "\n" not in message
     assert "--init-from org/missing@v1" in message and str(hf_home / "hub") in message
     assert f"127.0.0.1:{port}" in message and "could not be reached" in message, message
-    assert "hf download org/missing --revision v1" in info.value.hint
+    assert info.value.hint is not None and "hf download org/missing --revision v1" in info.value.hint
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,12 @@ def test_row_cuts_even_out_what_list_scheduling_leaves() -> None:
     assert even.node_bytes == [500, 500]
     # The cut rows are a tail range of an item written by the busier node, handed to the other.
     ((item, start, count, writer),) = even.cuts
-    assert even.kept_rows[item] == start and writer != even.writers[item] and count * 10 == 100
+    assert (
+        even.kept_rows is not None
+        and even.kept_rows[item] == start
+        and writer != even.writers[item]
+        and count * 10 == 100
+    )
 
 
 def test_a_million_items_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ def torch_writers(items: Items, world: int, lowest: bool = False) -> np.ndarray:
     """The writer of each item according to torch's own dedup_save_plans, on SavePlans holding real
     WriteItems: rank r's plan lists the items it holds in state-dict order, each sized as DCP sizes a
     DTensor shard (``size`` is the whole tensor's)."""
-    plans = [[] for _ in range(world)]
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
     for i in range(len(items)):
         itemsize = int(items.itemsize[i])
         whole = torch.Size([int(items.tensor_sizes[i]) // itemsize])
@@ -62,7 +62,11 @@ def random_items(seed: int, world: int, n: int) -> Items:
         tuple(sorted(rng.sample(range(world), min(world, rng.choice([1, 2, 3, 5, world // 2, world])))))
         for _ in range(12)
     ]
-    names, shapes, groups, itemsize, whole = [], [], [], [], []
+    names: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    groups: list[int] = []
+    itemsize: list[int] = []
+    whole: list[int] = []
     while len(names) < n:
         # Runs of equal items in one holder set (a layer's experts), of every length, with ties.
         run, g, rows, size = (
@@ -108,7 +112,7 @@ def test_chunks_are_split_rows():
     items.sizes[:4] = [4, 0, 4 << 20, 28]
     for max_bytes in (64, 1000, 4 << 10, 1 << 30):
         chunks = chunk_items(items, max_bytes)
-        got = [[] for _ in range(len(items))]
+        got: list[list[tuple[int, int]]] = [[] for _ in range(len(items))]
         for p, s, r in zip(chunks.parent.tolist(), chunks.start.tolist(), chunks.rows.tolist()):
             got[p].append((s, r))
         for i, shape in enumerate(items.shapes):
@@ -127,6 +131,7 @@ def test_every_item_written_once_by_a_holder():
     total = int(items.sizes.sum())
     assert [s.total_bytes for s in result.strategies] == [total] * 4
     assert sum(r.bytes["lingctl"] for r in result.ranks) == total
+    assert result.write_items is not None
     for i, entry in enumerate(result.write_items):
         holders = items.holders(i)
         assert entry["rank0"] == holders[0] and entry["dcp"] in holders

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _save(rank: int, world: int, url: str, cache_root: str) -> dict:
 
 
 def _load(rank: int, world: int, url: str, cache_dir: str) -> bool:
-    target = {
+    target: dict[str, Any] = {
         "model": {k: torch.zeros_like(v) for k, v in _state(0)["model"].items()},
         "step": 0,
         f"rank{rank}.m": torch.zeros(1000 * (rank + 1)),

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def test_bytes_per_node_are_balanced_within_two_percent(saved: tuple[Path, list[
 
 def test_stock_dcp_load_in_one_process_equals_the_saved_state(saved: tuple[Path, list[dict]]) -> None:
     directory, _ = saved
-    state = {
+    state: dict[str, Any] = {
         "model": {k: torch.zeros_like(v) for k, v in replicated().items()},
         "step": 0,
         "optim.m": torch.zeros(SHARDED),
@@ -141,7 +142,7 @@ def test_stock_dcp_load_in_one_process_equals_the_saved_state(saved: tuple[Path,
     assert torch.equal(state["optim.m"], sharded_full())
     for r in range(4):
         assert torch.equal(state[f"rank{r}.extra"], rank_extra(r))
-    again = {
+    again: dict[str, Any] = {
         "model": {k: torch.zeros_like(v) for k, v in replicated().items()},
         "step": 0,
         "optim.m": torch.zeros(SHARDED),
@@ -172,7 +173,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(
     assert broken.exists() and any(broken.glob("__*.distcp"))  # it had started writing
     assert not (broken / MARKER).exists() and not (broken / METADATA).exists()
     assert {p.name: p.stat().st_mtime_ns for p in previous.iterdir()} == before
-    state = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0}
+    state: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in replicated().items()}, "step": 0}
     dcp.load(state, checkpoint_id=str(previous))
     assert state["step"] == 42 and all(torch.equal(state["model"][k], v) for k, v in replicated().items())
     # A second attempt at the same directory clears the leftovers and commits.

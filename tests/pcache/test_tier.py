@@ -129,7 +129,7 @@ def test_cli_status_and_upload_in_process(tmp_path):
     assert res.exit_code == 0, res.output
     assert [(r["name"], r["state"]) for r in json.loads(res.stdout)["checkpoints"]] == [("step-1", "local-only")]
     res = runner.invoke(cli_app(), ["upload", str(d)])
-    assert isinstance(res.exception, LingctlError) and "--to" in res.exception.hint
+    assert isinstance(res.exception, LingctlError) and res.exception.hint is not None and "--to" in res.exception.hint
     res = runner.invoke(cli_app(), ["upload", str(d), "--to", str(shared), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["finalized"] is True

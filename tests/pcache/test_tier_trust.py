@@ -24,7 +24,7 @@ from tests.pcache.tier_fixtures import make_checkpoint
 CANARY = b"the user's own file"
 
 
-def _marker(files: dict) -> bytes:
+def _marker(files: object) -> bytes:
     return json.dumps({"format": "lingctl-pcache", "version": 1, "files": files}).encode()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,11 @@ def test_pipes_book_back_to_back_intervals(tmp_path: Path) -> None:
 
 
 def test_save_commits_a_marker_that_lists_every_file_and_load_reads_it_back(tmp_path: Path) -> None:
-    state = {"w": torch.randn(300, 40), "b": torch.randn(40), "opt": {"step": 7, "m": torch.randn(5, 5)}}
+    state: dict[str, Any] = {
+        "w": torch.randn(300, 40),
+        "b": torch.randn(40),
+        "opt": {"step": 7, "m": torch.randn(5, 5)},
+    }
     result = save(state, tmp_path / "step-1", chunk_bytes=8 << 10, buffer_bytes=8 << 10, extra={"step": 1})
     directory = Path(result.local_dir)
     marker = json.loads((directory / MARKER).read_text())
@@ -75,7 +80,7 @@ def test_save_commits_a_marker_that_lists_every_file_and_load_reads_it_back(tmp_
         assert (directory / name).stat().st_size == info["size"]
         assert crc64_file(directory / name).tagged() == info["crc64nvme"]
     assert marker["plan"]["items"] > 4  # the 48 KB tensor went out in 8 KiB chunks
-    back = {"w": torch.zeros(300, 40), "b": torch.zeros(40), "opt": {"step": 0, "m": torch.zeros(5, 5)}}
+    back: dict[str, Any] = {"w": torch.zeros(300, 40), "b": torch.zeros(40), "opt": {"step": 0, "m": torch.zeros(5, 5)}}
     load(back, directory)
     assert torch.equal(back["w"], state["w"]) and back["opt"]["step"] == 7
     # Stock DCP reads it too.

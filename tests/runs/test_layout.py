@@ -119,4 +119,4 @@ def test_s3_run_starting_over_cleans_only_what_its_staging_manifest_lists(tmp_pa
     assert (staging / "checkpoints" / "keep.txt").read_text() == "someone's"
     listed = {"tokenizer.json", "metrics.jsonl", "latest.json"}
     assert set(json.loads((staging / MANIFEST).read_text())["entries"]) == listed
-    assert set(json.loads(run.store.read(MANIFEST))["entries"]) == listed  # type: ignore[union-attr]
+    assert set(json.loads(run.store.read(MANIFEST))["entries"]) == listed

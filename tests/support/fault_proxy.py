@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 Fault = Literal["503", "reset", "flip"]
 FAULTS: tuple[Fault, ...] = ("503", "reset", "flip")
 Rule = Callable[["FaultRequest"], "Fault | None"]
+# What socketserver hands its request methods; a TCP server's request is always the connection's socket.
+_Request = socket.socket | tuple[bytes, socket.socket]
 
 SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -222,6 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         response.close()
         if response.will_close:
+            assert self.upstream is not None  # the response came from it
             self.upstream.close()  # http.client reconnects on the next request
 
 
@@ -233,7 +236,7 @@ class _Server(ThreadingHTTPServer):
         self.proxy = proxy
         super().__init__(("127.0.0.1", 0), _Handler)
 
-    def process_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:
+    def process_request(self, request: _Request, client_address: tuple[str, int]) -> None:
         # Registered before the thread starts, so stop() can end connections that have not been served yet.
         thread = threading.Thread(
             target=self.process_request_thread,
@@ -241,18 +244,18 @@ class _Server(ThreadingHTTPServer):
             name=f"fault-proxy-conn-{client_address[1]}",
             daemon=True,
         )
-        if not self.proxy._track(request, thread):
+        if not self.proxy._track(cast(socket.socket, request), thread):
             self.shutdown_request(request)
             return
         thread.start()
 
-    def process_request_thread(self, request: socket.socket, client_address: tuple[str, int]) -> None:
+    def process_request_thread(self, request: _Request, client_address: tuple[str, int]) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.proxy._untrack(request)
+            self.proxy._untrack(cast(socket.socket, request))
 
-    def handle_error(self, request: socket.socket, client_address: tuple[str, int]) -> None:
+    def handle_error(self, request: _Request, client_address: tuple[str, int]) -> None:
         log.debug("fault proxy error serving %s", client_address, exc_info=True)
 
 
@@ -281,7 +284,7 @@ class FaultProxy:
             raise RuntimeError("fault proxy already started")
         self._stopping = False
         self._server = _Server(self)
-        host, port = self._server.server_address[:2]
+        host, port = cast(tuple[str, int], self._server.server_address[:2])  # an AF_INET address
         self.endpoint = f"http://{host}:{port}"
         self._serve_thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"fault-proxy-{port}", daemon=True

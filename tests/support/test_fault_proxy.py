@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 
 import boto3
 import pytest
@@ -20,7 +21,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConn
 from lingctl.core.local_s3 import LocalS3Server
 from lingctl.core.storage import S3Options
 from lingctl.core.storage.s3.store import make_client
-from tests.support.fault_proxy import FaultProxy, FaultRequest, every_nth, every_nth_once, first_n, fraction
+from tests.support.fault_proxy import Fault, FaultProxy, FaultRequest, every_nth, every_nth_once, first_n, fraction
 
 MiB = 1 << 20
 
@@ -294,7 +295,8 @@ def test_chunked_upstream_answer_gets_a_content_length(echo_proxy: FaultProxy) -
     for _ in range(2):  # twice: the client connection stays usable
         response, body = _send(conn, "GET", "/chunked-answer", [("Host", "h")])
         assert response.getheader("Transfer-Encoding") is None
-        assert int(response.getheader("Content-Length")) == len(body)
+        length = response.getheader("Content-Length")
+        assert length is not None and int(length) == len(body)
         assert json.loads(body)["target"] == "/chunked-answer"
     conn.close()
 
@@ -389,7 +391,7 @@ def test_fraction_is_deterministic() -> None:
         lambda: every_nth(0),
         lambda: first_n(-1),
         lambda: fraction(1.5),
-        lambda: every_nth(2, "timeout"),
+        lambda: every_nth(2, cast(Fault, "timeout")),  # not a Fault: refused at run time too
         lambda: FaultProxy("https://x:1"),
     ],
 )

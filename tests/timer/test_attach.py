@@ -308,6 +308,7 @@ def test_attach_streams_json_lines_until_interrupted(procs) -> None:
         text=True,
     )
     procs.append(viewer)
+    assert viewer.stdout is not None
     lines = [json.loads(viewer.stdout.readline()) for _ in range(3)]
     viewer.send_signal(signal.SIGINT)
     # Keep reading while it stops: a viewer blocked on a full pipe could not finish its last write, and on a
@@ -323,6 +324,7 @@ def test_stacks_of_a_process_stuck_in_c_holding_the_gil(procs) -> None:
     from lingctl.timer.attach import snapshot
 
     p = start(procs, "-m", "tests.timer.test_attach", "gil")
+    assert p.stdout is not None
     assert p.stdout.readline().strip() == "ready"
     wait_for_ring(p.pid)
     deadline = time.monotonic() + 60  # until it is inside re.match: the tracer's heartbeat thread cannot run

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 from typer.testing import CliRunner
@@ -30,7 +32,7 @@ def header(
     kind: Kind | int = 0,
     op: Op = Op.NONE,
     since_s: float = 0.0,
-    groups: list[GroupState] = (),
+    groups: Sequence[GroupState] = (),
     heartbeat_age_s: float = 0.1,
 ) -> Header:
     return Header(
@@ -266,7 +268,12 @@ def test_a_finished_job_is_read_from_its_logs(tmp_path: Path) -> None:
     assert d.ranks[0].where == (
         "on elsewhere: read from its log, no live state; its last finished traced call was optimizer"
     )
-    assert d.verdict == "straggler" and d.straggler.rank == 1 and d.straggler.category == "data"
+    assert (
+        d.verdict == "straggler"
+        and d.straggler is not None
+        and d.straggler.rank == 1
+        and d.straggler.category == "data"
+    )
     assert d.groups[0].seq == 9 and d.groups[0].waiting == {} and d.groups[0].never_arrived == []
     from lingctl.commands.timer import app
 
@@ -345,7 +352,7 @@ def job_worker(out: str, mode: str, steps: int) -> None:
         x, y = next(loader)
         model.stall_now = mode == "hang" and rank == 2 and step == steps
         torch.nn.functional.mse_loss(model(x), y).backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        grads = torch.cat([cast(torch.Tensor, p.grad).flatten() for p in model.parameters()])
         dist.all_reduce(grads)
         opt.step()
         opt.zero_grad()
@@ -401,6 +408,7 @@ def test_four_rank_hang_names_the_rank_that_never_arrived(procs, tmp_path, monke
     assert sorted(g.waiting) == [0, 1, 3] and g.never_arrived == [2]
     r2 = d.ranks[2]
     assert r2.source == "ring" and r2.step == steps_before and r2.where.startswith("in forward for ")
+    assert r2.heartbeat_age_s is not None and r2.stacks is not None
     assert r2.heartbeat_age_s < 1 and "stall" in r2.stacks and "forward" in r2.stacks
     assert f"waiting in all_reduce #{steps_before} of group 0" in d.summary and "rank 2 in forward" in d.summary
 

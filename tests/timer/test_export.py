@@ -123,7 +123,7 @@ def test_export_of_a_real_job(procs, tmp_path: Path) -> None:  # noqa: F811
         mine = {e["name"] for e in xs if e["pid"] == rank}
         assert {"forward", "backward", "optimizer", "data", "step 4"} <= mine
         assert {f"all_reduce #{k} (group 0)" for k in range(5)} <= mine
-    ends = {}
+    ends: dict[str, list[float]] = {}
     for e in xs:
         if e["cat"] == "collective":
             ends.setdefault(e["name"], []).append(e["ts"] + e["dur"])

@@ -36,7 +36,7 @@ def changed(**fields: Any) -> str:
 
 
 # (case, file content, the reason given after the file's name)
-BAD = [
+BAD: list[tuple[str, str | bytes, str]] = [
     ("pid-string", changed(pid="12"), 'pid is "12"; expected a process id'),
     ("pid-float", changed(pid=12.0), "pid is 12.0; expected a process id"),
     ("pid-negative", changed(pid=-5), "pid is -5; expected a process id"),

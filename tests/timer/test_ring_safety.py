@@ -74,8 +74,8 @@ def test_a_ring_directory_open_to_others_is_refused_by_writers_and_readers(rings
     ):
         with pytest.raises(AccessDeniedError, match="open to other users"):
             attempt()
-    r = CliRunner().invoke(app, ["attach", "--pid", str(os.getpid()), "--once"])
-    assert isinstance(r.exception, AccessDeniedError) and r.exception.exit_code == 1
+    attached = CliRunner().invoke(app, ["attach", "--pid", str(os.getpid()), "--once"])
+    assert isinstance(attached.exception, AccessDeniedError) and attached.exception.exit_code == 1
     assert stat.S_IMODE(os.stat(rings).st_mode) == 0o777 and list(rings.iterdir()) == []  # refused, not "fixed"
 
     marker = tmp_path / "ran"  # `timer run` refuses before it starts the command

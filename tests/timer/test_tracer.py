@@ -241,6 +241,7 @@ def test_ranks_learned_from_init_process_group_and_collectives_line_up(
             )
         )
     for proc in procs:
+        assert proc.stderr is not None
         assert proc.wait(timeout=90) == 0, proc.stderr.read()
     runs = find_runs(out)
     assert [(m["rank"], m["world"], m["rank_source"]) for m in runs] == [(0, 2, "dist"), (1, 2, "dist")]
@@ -259,6 +260,7 @@ def test_sigkill_leaves_a_ring_that_collection_removes(tmp_path: Path, procs: li
     idle = write(tmp_path, "idle.py", IDLE.format(out=None))
     victim, survivor = start(procs, idle), start(procs, idle)
     for proc in (victim, survivor):
+        assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
     victim.kill()
     victim.wait()
@@ -267,6 +269,7 @@ def test_sigkill_leaves_a_ring_that_collection_removes(tmp_path: Path, procs: li
     assert not ring_path(victim.pid).exists() and ring_path(survivor.pid).exists()
     collect_stale_files()
     assert not stacks_path(victim.pid).exists() and stacks_path(survivor.pid).exists()
+    assert survivor.stdin is not None
     survivor.stdin.close()  # a normal exit removes its own files
     assert survivor.wait(timeout=10) == 0
     assert not ring_path(survivor.pid).exists() and not stacks_path(survivor.pid).exists()
@@ -274,6 +277,7 @@ def test_sigkill_leaves_a_ring_that_collection_removes(tmp_path: Path, procs: li
 
 def test_stacks_of_a_process_stuck_in_c_holding_the_gil(tmp_path: Path, procs: list[subprocess.Popen]) -> None:
     proc = start(procs, write(tmp_path, "stuck.py", STUCK))
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.2)
     text = read_stacks(proc.pid)
@@ -330,6 +334,7 @@ def test_run_traced_forwards_sigterm_and_reports_the_signal(tmp_path: Path, proc
         """,
     )
     proc = start(procs, runner)
+    assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "sleeping"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 128 + signal.SIGTERM

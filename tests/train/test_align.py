@@ -4,6 +4,7 @@ strategies and real gloo workers match one process, and trace files keep what th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ GATE = "model.layers.1.mlp.gate"  # tiny: layer 0 is dense, layer 1 is the MoE l
 
 
 def job(**kw: int) -> AlignJob:
-    return AlignJob(config=preset("tiny"), **{"batch_size": 2, "seq_len": 8, **kw})
+    settings: dict[str, Any] = {"batch_size": 2, "seq_len": 8, **kw}
+    return AlignJob(config=preset("tiny"), **settings)
 
 
 def align(a: str, b: str, *, same_routes: bool = False, **kw: int) -> AlignReport:
@@ -91,13 +93,18 @@ def test_two_ddp_workers_match_one_worker() -> None:
     assert report.b["setup"]["workers"] == 2
 
 
+def tensor_of(entry: Entry) -> torch.Tensor:
+    assert entry.tensor is not None
+    return entry.tensor
+
+
 def test_trace_round_trip_keeps_entries_and_refuses_other_files(tmp_path) -> None:
     trace = record(job(), parse_setup("dtype=bfloat16"))
     path = tmp_path / "t.safetensors"
     save_trace(path, trace)
     back = load_trace(path)
     assert [e.key for e in back.entries] == [e.key for e in trace.entries]
-    assert all(torch.equal(x.tensor, y.tensor) for x, y in zip(back.entries, trace.entries))
+    assert all(torch.equal(tensor_of(x), tensor_of(y)) for x, y in zip(back.entries, trace.entries))
     assert back.meta["setup"]["dtype"] == "bfloat16" and back.meta["batch"] == {
         "seed": 0,
         "batch_size": 2,

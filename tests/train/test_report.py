@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lingctl.core.errors import LingctlError
@@ -70,7 +72,7 @@ def test_several_workers_throughput_is_one_curve_per_worker():
 
 
 def test_none_reports_nowhere_and_a_missing_package_is_one_line():
-    assert open_reporter("none", ".", name="run", config={}) is None
+    assert open_reporter("none", Path("."), name="run", config={}) is None
     require("none")
     require("tensorboard")
     try:

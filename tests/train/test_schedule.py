@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 
 from lingctl.train.schedule import batch_size, learning_rate, routing_alpha
 
 
+class Schedule(TypedDict):
+    peak: float
+    warmup_steps: int
+    total_steps: int
+    min_ratio: float
+
+
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:
-    kw = dict(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
+    kw = Schedule(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
     assert learning_rate(0, **kw) == pytest.approx(0.1)
     assert learning_rate(9, **kw) == pytest.approx(1.0)
     assert learning_rate(10, **kw) == pytest.approx(1.0)

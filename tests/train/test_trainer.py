@@ -28,10 +28,13 @@ def test_injected_spikes_are_skipped_retried_later_and_lower_the_lr(tmp_path: Pa
     spike = SpikeConfig(warmup_steps=10, retry_after_steps=5, max_spikes=3, window_steps=50, lr_factor=0.5)
     trainer, records = make(tmp_path, text_corpus, steps=40, spike=spike, inject_spikes=[15, 16, 17])
     skipped_rows: list[list[int]] = []
-    trainer.on_record = lambda r: (
-        records.append(r),
-        r["event"] == "spike" and skipped_rows.append(list(trainer.position.retries[-1].rows)),
-    )
+
+    def on_record(r: dict[str, Any]) -> None:
+        records.append(r)
+        if r["event"] == "spike":
+            skipped_rows.append(list(trainer.position.retries[-1].rows))
+
+    trainer.on_record = on_record
     result = trainer.train()
 
     spikes = [r for r in records if r["event"] == "spike"]
