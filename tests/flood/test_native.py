@@ -71,6 +71,78 @@ def test_routed_experts_match_torch_and_each_row_stands_alone(kernels):
     assert not kernels.moe_supported(48, 40) and kernels.moe_supported(2048, 1408)
 
 
+def _q8(shape, g):
+    q = torch.randint(-127, 128, shape, generator=g, dtype=torch.int32).to(torch.int8)
+    return q, torch.rand(shape[:-1], generator=g) * 0.02 + 1e-3
+
+
+@pytest.mark.parametrize(
+    ("e", "d", "i", "k", "t"),
+    [(16, 64, 48, 3, 70), (5, 37, 13, 2, 9), (4, 40, 24, 1, 1), (8, 17, 5, 4, 33)],  # odd widths, one row, many
+)
+def test_int8_routed_experts_match_the_dequantised_product_and_each_row_stands_alone(kernels, e, d, i, k, t):
+    g = torch.Generator().manual_seed(e * 100 + d)
+    gate_up_q, gate_up_s = _q8((e, 2 * i, d), g)  # output-major, as Int8Linear and the loader hold them
+    down_q, down_s = _q8((e, d, i), g)
+    x = torch.randn(t, d, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if t > 40:
+        idx[:40, 0] = 1  # one expert with many rows, others with few
+    w = torch.rand(t, k, generator=g)
+    y = kernels.moe(x, idx, w, gate_up_q, down_q, (gate_up_s, down_s))
+    gate_up = (gate_up_q.double() * gate_up_s.double()[..., None]).transpose(1, 2)
+    down = (down_q.double() * down_s.double()[..., None]).transpose(1, 2)
+    want = _moe_reference(x.double(), idx, w.double(), gate_up, down)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for row in {0, t // 2, t - 1}:
+        alone = kernels.moe(
+            x[row : row + 1], idx[row : row + 1], w[row : row + 1], gate_up_q, down_q, (gate_up_s, down_s)
+        )
+        assert torch.equal(alone[0], y[row])
+    with pytest.raises(ValueError, match="int8"):
+        kernels.moe(x, idx, w, gate_up_q.float(), down_q, (gate_up_s, down_s))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 2048, 70), (5, 37, 13), (33, 64, 48), (8, 7, 3)])
+def test_int8_linear_matches_the_dequantised_product_at_any_row_count(kernels, m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    wq, scale = _q8((n, k), g)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    y = kernels.linear_q8(x, wq, scale, bias)
+    want = x.double() @ (wq.double() * scale.double()[:, None]).T + bias.double()
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert torch.equal(kernels.linear_q8(x[-1:], wq, scale, bias)[0], y[-1])  # one row alone: the same bits
+    no_bias = kernels.linear_q8(x, wq, scale, None)
+    assert torch.allclose(no_bias.double(), want - bias.double(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="weight_NK"):
+        kernels.linear_q8(x, wq[:, :-1], scale, bias)
+
+
+def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
+    g = torch.Generator().manual_seed(7)
+    wq, scale = _q8((96, 64), g)
+    gate_up_q, gate_up_s = _q8((8, 64, 48), g)
+    down_q, down_s = _q8((8, 48, 32), g)
+    x = torch.randn(21, 48, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(21)])
+    w = torch.rand(21, 2, generator=g)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(
+                (
+                    kernels.linear_q8(torch.randn(21, 64, generator=torch.Generator().manual_seed(1)), wq, scale, None),
+                    kernels.moe(x, idx, w, gate_up_q, down_q, (gate_up_s, down_s)),
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dh = 4, 2, 32

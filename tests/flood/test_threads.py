@@ -16,6 +16,7 @@ from lingctl.flood.batch.run import FloodOptions, run_batch
 from lingctl.flood.engine import cpu_load
 from lingctl.flood.engine.cpu_load import CpuBudget, CpuLoad, LoadMeter, measure, read_budget
 from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
+from lingctl.flood.engine.native import kernels, why_unavailable
 from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.engine.sampling import SamplingParams
 from lingctl.flood.engine.threads import (
@@ -25,6 +26,7 @@ from lingctl.flood.engine.threads import (
     choose_threads,
     results_follow_load_safely,
 )
+from lingctl.model.ling import LingForCausalLM
 from tests.flood.conftest import tiny_model
 
 needs_proc = pytest.mark.skipif(not cpu_load.PROC_STAT.exists(), reason="needs /proc/stat (Linux)")
@@ -81,7 +83,8 @@ class FakeClock:
 
 
 def test_adaptive_policy_follows_the_load_between_steps_and_reads_it_rarely() -> None:
-    clock, meter, set_to = FakeClock(), FakeMeter([0.0, 1.0, 0.05]), []
+    set_to: list[int] = []
+    clock, meter = FakeClock(), FakeMeter([0.0, 1.0, 0.05])
     policy = ThreadPolicy(ThreadPolicyConfig(recheck_s=2.0), set_threads=set_to.append, clock=clock, meter=meter)
     assert policy.start() == 2 and set_to == [2]
     for _ in range(1000):  # steps within the recheck interval: no reading, no change
@@ -100,7 +103,8 @@ def test_adaptive_policy_follows_the_load_between_steps_and_reads_it_rarely() ->
 
 
 def test_a_sudden_slowdown_is_measured_at_once_in_a_fresh_window() -> None:
-    clock, meter, set_to = FakeClock(), FakeMeter([0.0, 0.2, 1.0]), []
+    set_to: list[int] = []
+    clock, meter = FakeClock(), FakeMeter([0.0, 0.2, 1.0])
     policy = ThreadPolicy(
         ThreadPolicyConfig(recheck_s=2.0, quick_window_s=0.3), set_threads=set_to.append, clock=clock, meter=meter
     )
@@ -118,19 +122,37 @@ def test_a_sudden_slowdown_is_measured_at_once_in_a_fresh_window() -> None:
     assert policy.report is not None and policy.report.changes[0].at_s == pytest.approx(0.7)
 
 
-def test_int8_float32_runs_on_one_thread_whatever_the_load() -> None:
-    clock, meter, set_to = FakeClock(), FakeMeter([0.0, 0.0]), []
-    policy = ThreadPolicy.for_run(None, "float32", "int8", set_threads=set_to.append, clock=clock, meter=meter)
+def test_int8_float32_runs_follow_the_load_with_the_native_kernels() -> None:
+    # int8 linears and experts run in flood's kernels, whose rows do not depend on the thread count.
+    if kernels() is None:
+        pytest.skip(f"flood's native kernels are unavailable here: {why_unavailable()}")
+    clock, meter = FakeClock(), FakeMeter([0.0, 0.0])
+    policy = ThreadPolicy.for_run(None, "float32", "int8", set_threads=lambda n: None, clock=clock, meter=meter)
     policy.prepare()
-    assert policy.start() == 1
-    clock.now += 60
-    policy.between_steps()
-    assert set(set_to) == {1} and meter.reads == 0
-    assert policy.report is not None and policy.report.source.startswith("one thread: float32")
+    assert policy.start() == 2 and meter.reads == 1
+
+
+def test_int8_float32_runs_on_one_thread_whatever_the_load_without_the_kernels(monkeypatch) -> None:
+    monkeypatch.setenv("LINGCTL_FLOOD_NATIVE", "0")
+    kernels.cache_clear()
+    try:
+        set_to: list[int] = []
+        clock, meter = FakeClock(), FakeMeter([0.0, 0.0])
+        policy = ThreadPolicy.for_run(None, "float32", "int8", set_threads=set_to.append, clock=clock, meter=meter)
+        policy.prepare()
+        assert policy.start() == 1
+        clock.now += 60
+        policy.between_steps()
+        assert set(set_to) == {1} and meter.reads == 0
+        assert policy.report is not None and policy.report.source.startswith("one thread: float32")
+    finally:
+        monkeypatch.delenv("LINGCTL_FLOOD_NATIVE")
+        kernels.cache_clear()
 
 
 def test_threads_option_fixes_the_count_and_measures_nothing() -> None:
-    meter, set_to = FakeMeter([]), []
+    set_to: list[int] = []
+    meter = FakeMeter([])
     policy = ThreadPolicy.for_run(3, "bfloat16", set_threads=set_to.append, meter=meter)
     policy.prepare()
     assert policy.start() == 3 and set(set_to) == {3} and meter.reads == 0
@@ -141,9 +163,10 @@ def test_threads_option_fixes_the_count_and_measures_nothing() -> None:
 
 def test_threads_zero_means_choose() -> None:
     assert ThreadPolicy.for_run(0, "bfloat16").fixed is None
-    assert ThreadPolicy.for_run(0, "float32", "int8").fixed == 1
-    # float32 follows the load exactly when the native kernels make its results thread-free
+    # float32 (int8 weights or not) follows the load exactly when the native kernels make its results
+    # thread-free
     assert (ThreadPolicy.for_run(0, "float32").fixed is None) == results_follow_load_safely("float32")
+    assert (ThreadPolicy.for_run(0, "float32", "int8").fixed is None) == (kernels() is not None)
 
 
 @needs_proc
@@ -168,7 +191,7 @@ def test_with_a_busy_competitor_the_default_leaves_it_a_core(competitor: subproc
     assert competitor.poll() is None
 
 
-def _logits_of_a_run(model: torch.nn.Module, threads: int) -> list[torch.Tensor]:
+def _logits_of_a_run(model: LingForCausalLM, threads: int) -> list[torch.Tensor]:
     torch.set_num_threads(threads)
     engine = Engine.local(model, EngineConfig(kv_cache_tokens=512))
     captured: list[torch.Tensor] = []

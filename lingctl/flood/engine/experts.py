@@ -94,13 +94,24 @@ class StackedExperts:
             self.width = stack.down_EDI.shape[2]
             gate_up_EDX = stack.gate_up_EXD.transpose(1, 2)
             down_EID = stack.down_EDI.transpose(1, 2)
-            if not (gate_up_EDX.is_contiguous() and down_EID.is_contiguous()):
+            # int8 stacks stay output-major, as the loader built them: the native kernel reads a weight row
+            # per output (one copy of the model, no transpose at load); float ones become input-major.
+            keep = self.quantized and stack.gate_up_EXD.is_contiguous() and stack.down_EDI.is_contiguous()
+            if not keep and not (gate_up_EDX.is_contiguous() and down_EID.is_contiguous()):
                 gate_up_EDX, down_EID = gate_up_EDX.contiguous(), down_EID.contiguous()
                 _repoint(block, gate_up_EDX, down_EID, stack)
         self.gate_up_EDX = gate_up_EDX
         self.down_EID = down_EID
         self.gate_up_scale_EX = stack.gate_up_scale_EX
         self.down_scale_ED = stack.down_scale_ED
+        # The kernel's operands for int8 weights: output-major stacks and float32 scales (a few MB per layer).
+        self.native_q8: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if keep and stack.gate_up_scale_EX is not None and stack.down_scale_ED is not None:
+            self.native_q8 = (
+                stack.gate_up_EXD,
+                stack.down_EDI,
+                (stack.gate_up_scale_EX.float().contiguous(), stack.down_scale_ED.float().contiguous()),
+            )
 
     @staticmethod
     def usable(block: SparseMoeBlock) -> bool:
@@ -127,6 +138,14 @@ class StackedExperts:
         return torch.mm(F.silu(h[:, :i]) * h[:, i:], self.down_EID[e])
 
     def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        if self.native_q8 is not None and x_TD.dtype == torch.float32 and x_TD.device.type == "cpu":
+            native_q8 = kernels()
+            if native_q8 is not None:
+                # int8 experts, float32 activations: the weights are read once per step for all rows routed to
+                # them and widened in registers. (bfloat16 steps keep torch's bf16 products, which use the
+                # CPU's BF16 instructions: faster than widening to float32 where they exist.)
+                gate_up, down, scales = self.native_q8
+                return native_q8.moe(x_TD, idx_TK, weight_TK, gate_up, down, scales)
         native = kernels() if not self.quantized and x_TD.dtype == torch.float32 else None
         if (
             native is not None

@@ -94,7 +94,7 @@ class EngineOptions:
         flag="--threads",
         metavar="N",
         help="CPU compute threads. Default (or 0): the cores other processes leave free, re-measured every few "
-        "seconds; one thread where results would depend on the count (float32 with int8 weights, or without a C "
+        "seconds; one thread where results would depend on the count (float32 without a C "
         "compiler for flood's kernels).",
         minimum=0,
         minimum_note=" (0: chosen from the free cores)",

@@ -49,13 +49,13 @@ def results_follow_load_safely(dtype_name: str, quantize: str | None = None) -> 
     """Whether a run's results are the same bits at any thread count, so the count may follow the load.
 
     bfloat16: always (measured per operation and for whole runs). float32: when flood's native kernels are
-    active and the weights are float (experts and attention then run in kernels whose rows do not depend
-    on the thread count, and every other product is a packed oneDNN one, which does not either; asserted
-    by tests/flood/test_native.py). Without the kernels, or with int8 weights (their products go through
-    MKL, which rounds 5-7 and 9-11 row products differently on 2 threads), float32 keeps one thread."""
+    active (experts, attention and every int8 linear then run in kernels whose rows do not depend on the
+    thread count, and every other product is a packed oneDNN one, which does not either; asserted by
+    tests/flood/test_native.py). Without the kernels (float32 products then go through MKL, which rounds
+    5-7 and 9-11 row products differently on 2 threads), float32 keeps one thread."""
     if dtype_name in THREAD_INVARIANT_DTYPES:
         return True
-    if dtype_name == "float32" and quantize is None:
+    if dtype_name == "float32":
         from lingctl.flood.engine.native import kernels
 
         return kernels() is not None

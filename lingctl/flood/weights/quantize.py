@@ -15,6 +15,7 @@ Shape legend: O output features (rows), I input features, M rows of the input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,13 @@ from torch import nn
 from lingctl.model.config import LingConfig
 
 QMAX = 127  # symmetric: -128 is never used, so negating a row never overflows
+
+
+def _native_kernels() -> Any:
+    """flood's native kernels when they are built and enabled (see lingctl.flood.engine.native), else None."""
+    from lingctl.flood.engine.native import kernels
+
+    return kernels()
 
 
 def quantize_rows(w_OI: torch.Tensor, dtype: torch.dtype, out_OI: torch.Tensor) -> torch.Tensor:
@@ -96,11 +104,19 @@ class Int8Linear(nn.Module):
         return self.weight_q.to(self.scale.dtype) * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Trade-off: the int8 matrix is widened to x's dtype on every call, a temporary the size of the
-        # layer in that dtype (one layer at a time, so peak memory grows by the largest layer, not the
-        # model). An int8 GEMM kernel would avoid it, but has no portable CPU/GPU form in torch; the
-        # widening is exact (|q| <= 127 fits bf16's 8-bit mantissa) and costs a pass over the weight,
-        # which decode steps pay anyway to read it.
+        native = _native_kernels() if x.device.type == "cpu" and self.weight_q.is_contiguous() else None
+        if native is not None and x.dtype == torch.float32 and x.numel():
+            # flood's int8 kernel: each weight row is read once for all rows of x and widened in registers;
+            # every output is a fixed-order sum, so a row's result depends neither on the batch nor on the
+            # thread count. float32 activations only: bfloat16 ones keep torch's bf16 products below, which
+            # use the CPU's BF16 instructions where it has them (measured faster than widening to float32).
+            bias = self.bias.to(torch.float32) if self.bias is not None else None
+            y = native.linear_q8(x.reshape(-1, self.in_features), self.weight_q, self.scale.to(torch.float32), bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        # Without the kernels: the int8 matrix is widened to x's dtype on every call, a temporary the size of
+        # the layer in that dtype (one layer at a time, so peak memory grows by the largest layer, not the
+        # model); the widening is exact (|q| <= 127 fits bf16's 8-bit mantissa) and costs a pass over the
+        # weight, which decode steps pay anyway to read it.
         if x.dtype == torch.float16:
             # Unscaled q sums can pass float16's 65504 for wide layers; fold the scale in first.
             y = F.linear(x, self.weight_q.to(x.dtype) * self.scale.to(x.dtype)[:, None])

@@ -1,4 +1,5 @@
-"""flood's float32 CPU kernels (``kernels.c``): routed experts and attention over the segment KV cache.
+"""flood's CPU kernels (``kernels.c``): routed experts (float32 or int8 weights), int8 linear layers and
+attention over the segment KV cache, on float32 activations.
 
 Why: a decode step of a fine-grained MoE is hundreds of tiny products. Through torch each expert's
 product is an MKL call that packs its 256 KB weight before using it for ~6 rows (measured ~35 us where the
@@ -80,6 +81,42 @@ _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, t
             ("slot", _ptr),
         ],
     ),
+    "flood_moe_experts_q8": (
+        None,
+        [
+            ("x", _ptr),
+            ("T", _i64),
+            ("D", _i64),
+            ("idx", _ptr),
+            ("Kt", _i64),
+            ("gate_up", _ptr),
+            ("gate_up_scale", _ptr),
+            ("down", _ptr),
+            ("down_scale", _ptr),
+            ("E", _i64),
+            ("I", _i64),
+            ("e0", _i64),
+            ("e1", _i64),
+            ("outs", _ptr),
+            ("scratch", _ptr),
+            ("slot", _ptr),
+        ],
+    ),
+    "flood_linear_q8": (
+        None,
+        [
+            ("x", _ptr),
+            ("M", _i64),
+            ("K", _i64),
+            ("w", _ptr),
+            ("scale", _ptr),
+            ("bias", _ptr),
+            ("N", _i64),
+            ("y", _ptr),
+            ("o0", _i64),
+            ("o1", _i64),
+        ],
+    ),
     "flood_moe_combine": (
         None,
         [
@@ -133,8 +170,8 @@ def _require(ok: bool, what: str) -> None:
         raise ValueError(f"flood kernel call: {what}")
 
 
-def _float32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    _require(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+def _float32(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+    _require(t.dtype == dtype, f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
     _require(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     _require(t.is_contiguous(), f"{name} must be contiguous")
     _require(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
@@ -225,6 +262,8 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         functions = _declare(lib)
         self._experts = functions["flood_moe_experts"]
+        self._experts_q8 = functions["flood_moe_experts_q8"]
+        self._linear_q8 = functions["flood_linear_q8"]
         self._combine = functions["flood_moe_combine"]
         self._attn = functions["flood_attention"]
         # With OpenMP the library spreads each call over torch's threads itself.
@@ -260,14 +299,18 @@ class Kernels:
         weight_TK: torch.Tensor,
         gate_up_EDX: torch.Tensor,
         down_EID: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Routed experts' weighted sum [T, D]: float32 weights and input (the input and the routing are made
-        contiguous here), expert ids checked in range; a ValueError for anything the kernels cannot take."""
-        x, idx, w = _moe_inputs(x_TD, idx_TK, weight_TK, gate_up_EDX, down_EID)
+        """Routed experts' weighted sum [T, D] of a float32 input: float32 weights input-major (``[E, D, 2I]``,
+        ``[E, I, D]``), or int8 weights output-major (``[E, 2I, D]``, ``[E, D, I]``: the names then mean the
+        transposes) with ``scales`` (float32 ``[E, 2I]`` and ``[E, D]``, one per output); the input and the
+        routing are made contiguous here, expert ids checked in range; a ValueError for anything the kernels
+        cannot take."""
+        x, idx, w = _moe_inputs(x_TD, idx_TK, weight_TK, gate_up_EDX, down_EID, scales)
         t, d = x.shape
         k = idx.shape[1]
-        e, _, x2 = gate_up_EDX.shape
-        i = x2 // 2
+        e = gate_up_EDX.shape[0]
+        i = down_EID.shape[2] if scales is not None else down_EID.shape[1]
         n = t * k
         outs = torch.empty(n, d, dtype=torch.float32)
         y = torch.empty(t, d, dtype=torch.float32)
@@ -280,22 +323,20 @@ class Kernels:
         def experts(e0: int, e1: int) -> Callable[[], None]:
             scratch = torch.empty((n + 8) * (d + 3 * i), dtype=torch.float32)
             slot = torch.empty(max(1, n), dtype=torch.int64)
-            return lambda: self._experts(
-                x.data_ptr(),
-                t,
-                d,
-                idx.data_ptr(),
-                k,
-                gate_up_EDX.data_ptr(),
-                down_EID.data_ptr(),
-                e,
-                i,
-                e0,
-                e1,
-                outs.data_ptr(),
-                scratch.data_ptr(),
-                slot.data_ptr(),
-            )
+
+            # The call holds the tensors, not their addresses alone: scratch and slot must live until it runs.
+            def call() -> None:
+                common = (e, i, e0, e1, outs.data_ptr(), scratch.data_ptr(), slot.data_ptr())
+                if scales is not None:
+                    g, dn = gate_up_EDX.data_ptr(), down_EID.data_ptr()
+                    gs, ds = scales[0].data_ptr(), scales[1].data_ptr()
+                    self._experts_q8(x.data_ptr(), t, d, idx.data_ptr(), k, g, gs, dn, ds, *common)
+                else:
+                    self._experts(
+                        x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(), *common
+                    )
+
+            return call
 
         self._run([experts(a, b) for a, b in ranges])
         rows = [(0, t)] if self.openmp else _split(list(range(1, t + 1)), len(ranges))
@@ -307,6 +348,30 @@ class Kernels:
                 for a, b in rows
             ]
         )
+        return y
+
+    def linear_q8(
+        self, x_MK: torch.Tensor, weight_NK: torch.Tensor, scale_N: torch.Tensor, bias_N: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ (weight * scale[:, None]).T + bias`` [M, N] for int8 ``weight_NK`` (Int8Linear's layout) and a
+        float32 input, ``scale_N`` and ``bias_N``; each output summed in a fixed order (see kernels.h)."""
+        _require(x_MK.dim() == 2 and weight_NK.dim() == 2, "x_MK and weight_NK must be 2-D")
+        m, k = x_MK.shape
+        n = weight_NK.shape[0]
+        x = x_MK.contiguous()
+        _float32("x_MK", x, (m, k))
+        _float32("weight_NK", weight_NK, (n, k), torch.int8)
+        _float32("scale_N", scale_N, (n,))
+        if bias_N is not None:
+            _float32("bias_N", bias_N, (n,))
+        y = torch.empty(m, n, dtype=torch.float32)
+        bias = bias_N.data_ptr() if bias_N is not None else None
+        args = (x.data_ptr(), m, k, weight_NK.data_ptr(), scale_N.data_ptr(), bias, n, y.data_ptr())
+        if self.openmp or n == 0:
+            self._linear_q8(*args, 0, n)
+        else:
+            parts = _split(list(range(1, n + 1)), torch.get_num_threads())
+            self._run([functools.partial(self._linear_q8, *args, a, b) for a, b in parts])
         return y
 
     def attention(
@@ -361,22 +426,31 @@ def _moe_inputs(
     weight_TK: torch.Tensor,
     gate_up_EDX: torch.Tensor,
     down_EID: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The expert kernel's input rows, expert ids (int64) and routing weights (float32), contiguous, once
-    every shape, dtype and id is checked against the weights."""
+    every shape, dtype and id is checked against the weights (int8 ones with their scales)."""
     _require(x_TD.dim() == 2 and idx_TK.dim() == 2, "x_TD and idx_TK must be 2-D")
-    _require(gate_up_EDX.dim() == 3 and gate_up_EDX.shape[2] % 2 == 0, "gate_up_EDX must be [E, D, 2I]")
+    _require(gate_up_EDX.dim() == 3 and down_EID.dim() == 3, "the expert weights must be 3-D")
     t, d = x_TD.shape
     k = idx_TK.shape[1]
-    e, _, x2 = gate_up_EDX.shape
-    i = x2 // 2
-    _float32("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
-    _float32("down_EID", down_EID, (e, i, d))
+    e = gate_up_EDX.shape[0]
+    if scales is None:
+        i = down_EID.shape[1]
+        _float32("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
+        _float32("down_EID", down_EID, (e, i, d))
+        _require(Kernels.moe_supported(d, i, k), f"widths D={d}, 2I={2 * i} and top-k {k} are not supported")
+    else:
+        i = down_EID.shape[2]
+        _float32("gate_up_EXD", gate_up_EDX, (e, 2 * i, d), torch.int8)
+        _float32("down_EDI", down_EID, (e, d, i), torch.int8)
+        _float32("gate_up_scale", scales[0], (e, 2 * i))
+        _float32("down_scale", scales[1], (e, d))
+        _require(d > 0 and i > 0 and k <= MAX_TOP_K, f"widths D={d}, I={i} and top-k {k} are not supported")
     x = x_TD.contiguous()
     _float32("x_TD", x, (t, d))
     _require(tuple(weight_TK.shape) == (t, k), f"weight_TK must have shape {[t, k]}, got {list(weight_TK.shape)}")
     _require(not idx_TK.is_floating_point(), f"idx_TK must hold integers, got {idx_TK.dtype}")
-    _require(Kernels.moe_supported(d, i, k), f"widths D={d}, 2I={2 * i} and top-k {k} are not supported")
     idx = idx_TK.to(torch.int64).contiguous()
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e):
         raise ValueError("expert id out of range")

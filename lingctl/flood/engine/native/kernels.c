@@ -74,11 +74,94 @@ static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, in
     }
 }
 
+/* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
+   then summed pairwise, then the tail. */
+#define LANES 16
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
+    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise, always the same pairs */
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    float s = part[0];
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* Dot products of R input rows (R <= 4) with one row b, each in the same fixed order: LANES partial sums
+   over the full blocks, the tail added lane by lane into the same partial sums, then summed pairwise. Every
+   step is per lane (no sum across elements until the pairwise one), so however the compiler vectorises it each
+   row's bits are the same for any R: rows taken four at a time give four independent chains of fused
+   multiply-adds, which the FMA units overlap, and a row alone still gives the same result. */
+static inline __attribute__((always_inline)) void dot_block(const float *a, int64_t stride, const int R,
+                                                           const float *b, int64_t n, float *out) {
+    float part[4][LANES];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < LANES; l++) part[r][l] = 0.0f;
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float bv = b[d + l];
+            for (int r = 0; r < R; r++) part[r][l] += a[r * stride + d + l] * bv;
+        }
+    int64_t tail = n - d;
+    for (int r = 0; r < R; r++) {
+        for (int64_t l = 0; l < tail; l++) part[r][l] += a[r * stride + d + l] * b[d + l];
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) part[r][l] += part[r][l + w];
+        out[r] = part[r][0];
+    }
+}
+
+/* R a constant in each call below, so each count gets its own unrolled, vectorised loop. */
+static void dot_rows(const float *a, int64_t stride, int R, const float *b, int64_t n, float *out) {
+    switch (R) {
+    case 1: dot_block(a, stride, 1, b, n, out); break;
+    case 2: dot_block(a, stride, 2, b, n, out); break;
+    case 3: dot_block(a, stride, 3, b, n, out); break;
+    default: dot_block(a, stride, 4, b, n, out); break;
+    }
+}
+
+/* out[r, o] = scale[o] * (in[r, :K] . w[o, :K]) (+ bias[o]) for r < M and o in [o0, o1): int8 weights one row per
+   output ("output-major", Int8Linear's layout), read once whatever M is: each weight row is widened once into
+   ``wide`` (K floats, exact: |q| <= 127, and in L1), then dotted with every input row. Every row goes through
+   the same code whatever M is (a variant that widened in registers for one row compiled its tail into other
+   roundings), so a row's result never depends on M. */
+static void rows_q8(const float *in, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
+                    int64_t N, float *out, int64_t o0, int64_t o1, float *wide) {
+    for (int64_t o = o0; o < o1; o++) {
+        const int8_t *wo = w + o * K;
+        float so = scale[o], bo = bias ? bias[o] : 0.0f;
+        for (int64_t k = 0; k < K; k++) wide[k] = (float)wo[k];
+        for (int64_t r = 0; r < M; r += 4) {
+            int R = M - r < 4 ? (int)(M - r) : 4;
+            float sums[4];
+            dot_rows(in + r * K, K, R, wide, K, sums);
+            for (int j = 0; j < R; j++) out[(r + j) * N + o] = sums[j] * so + bo;
+        }
+    }
+}
+
+/* One expert's product for its m rows: float32 input-major weights (scale NULL) or int8 output-major ones with
+   per-output scales. */
+static void product(const float *in, int64_t m, int64_t K, const void *w, const float *scale, int64_t N, float *out,
+                    float *wide) {
+    if (scale) {
+        rows_q8(in, m, K, (const int8_t *)w, scale, NULL, N, out, 0, N, wide);
+    } else {
+        if (m <= MB) few_rows_gemm(in, m, K, (const float *)w, N, out);
+        else small_gemm(in, m, K, (const float *)w, N, out);
+    }
+}
+
 /* Routed experts of one layer, the experts [e0, e1) of it: see kernels.h. */
-void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
-                       const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
-                       float *scratch, int64_t *slot) {
+static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const void *gate_up,
+                        const float *gate_up_scale, const void *down, const float *down_scale, int64_t I, int64_t e0,
+                        int64_t e1, float *outs, float *scratch, int64_t *slot) {
     int64_t N = T * Kt;
+    size_t wsize = gate_up_scale ? sizeof(int8_t) : sizeof(float);
     /* per thread: rows [N + MB, D] (one expert's gathered inputs, zero-padded), h [N + MB, 2I], act [N + MB, I] */
     int64_t span = e1 - e0;
     if (span <= 0) return;
@@ -106,37 +189,54 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
 #endif
     h = rows + (N + MB) * D;
     act = h + (N + MB) * 2 * I;
+    int64_t widest = D > I ? D : I;
+    float *wide = gate_up_scale ? (float *)malloc(sizeof(float) * (size_t)widest) : NULL;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (int64_t e = 0; e < span; e++) {
         int64_t a = count[e], b = count[e + 1], m = b - a;
-        if (!m || !rows) continue;
-        const float *gu = gate_up + (e0 + e) * D * 2 * I, *dn = down + (e0 + e) * I * D;
+        if (!m || !rows || (gate_up_scale && !wide)) continue;
+        const char *gu = (const char *)gate_up + (size_t)((e0 + e) * D * 2 * I) * wsize;
+        const char *dn = (const char *)down + (size_t)((e0 + e) * I * D) * wsize;
+        const float *gs = gate_up_scale ? gate_up_scale + (e0 + e) * 2 * I : NULL;
+        const float *ds = down_scale ? down_scale + (e0 + e) * D : NULL;
         int64_t mp = (m + MB - 1) / MB * MB; /* zero rows up to a whole register block */
         for (int64_t r = 0; r < m; r++)
             memcpy(rows + r * D, x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
         memset(rows + m * D, 0, sizeof(float) * (size_t)((mp - m) * D));
-        if (m <= MB)
-            few_rows_gemm(rows, m, D, gu, 2 * I, h);
-        else
-            small_gemm(rows, m, D, gu, 2 * I, h);
+        product(rows, m, D, gu, gs, 2 * I, h, wide);
         for (int64_t r = 0; r < mp; r++) {
             const float *g = h + r * 2 * I, *u = g + I;
             float *o = act + r * I;
             for (int64_t i = 0; i < I; i++)
                 o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        if (m <= MB)
-            few_rows_gemm(act, m, I, dn, D, rows);
-        else
-            small_gemm(act, m, I, dn, D, rows);
+        product(act, m, I, dn, ds, D, rows, wide);
         for (int64_t r = 0; r < m; r++)
             memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
     }
     free(own);
+    free(wide);
     }
     free(count);
+}
+
+/* Routed experts with float32 weights (kernels.h). */
+void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
+                       const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                       float *scratch, int64_t *slot) {
+    (void)E;
+    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot);
+}
+
+/* Routed experts with int8 weights and per-output-column scales (kernels.h). */
+void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
+                          const int8_t *gate_up, const float *gate_up_scale, const int8_t *down,
+                          const float *down_scale, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                          float *scratch, int64_t *slot) {
+    (void)E;
+    moe_experts(x, T, D, idx, Kt, gate_up, gate_up_scale, down, down_scale, I, e0, e1, outs, scratch, slot);
 }
 
 /* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1)
@@ -166,19 +266,25 @@ void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t 
     }
 }
 
-/* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
-   then summed pairwise, then the tail. */
-#define LANES 16
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float part[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int l = 0; l < LANES; l++) part[l] += a[d + l] * b[d + l];
-    for (int w = LANES / 2; w > 0; w /= 2) /* pairwise, always the same pairs */
-        for (int l = 0; l < w; l++) part[l] += part[l + w];
-    float s = part[0];
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
+#define LINEAR_ROWS 16 /* output rows a thread takes at a time */
+
+/* An int8 linear layer, output columns [o0, o1) (kernels.h). */
+void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
+                     int64_t N, float *y, int64_t o0, int64_t o1) {
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+    float *wide = (float *)malloc(sizeof(float) * (size_t)(K > 0 ? K : 1));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t b = o0; b < o1; b += LINEAR_ROWS) {
+        int64_t end = b + LINEAR_ROWS < o1 ? b + LINEAR_ROWS : o1;
+        if (wide) rows_q8(x, M, K, w, scale, bias, N, y, b, end, wide);
+    }
+    free(wide);
+    }
 }
 
 /* Attention of query rows over the KV pool, one unit (a run of queries of one request) at a time, causal and

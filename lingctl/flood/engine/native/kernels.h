@@ -1,5 +1,6 @@
-/* flood's float32 CPU kernels: the entry points that lingctl/flood/engine/native/__init__.py calls through
-   ctypes (its _SIGNATURES table declares each one's argument and result types in this order).
+/* flood's CPU kernels (float32 activations; float32 or int8 weights): the entry points that
+   lingctl/flood/engine/native/__init__.py calls through ctypes (its _SIGNATURES table declares each one's
+   argument and result types in this order).
 
    Every array is contiguous (row-major) and every size is in elements. The callers check each size, shape,
    dtype and index range below before calling: the kernels trust them and do not check again.
@@ -26,6 +27,26 @@
 void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const float *gate_up,
                        const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                        float *scratch, int64_t *slot);
+
+/* The same with int8 weights, w = q * scale per output, laid out output-major (one row per output, as
+   Int8Linear and the loader's stacks hold them):
+     gate_up        [E, 2I, D] int8;  gate_up_scale [E, 2I] float32
+     down           [E, D, I] int8;   down_scale    [E, D] float32
+   Each output is a fixed-order dot product of the input row with the widened weight row (exact widening),
+   times its scale, so a row's bits do not depend on the other rows or the thread count. Any D and I > 0. */
+void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
+                          const int8_t *gate_up, const float *gate_up_scale, const int8_t *down,
+                          const float *down_scale, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
+                          float *scratch, int64_t *slot);
+
+/* An int8 linear layer, output columns [o0, o1) of y (Int8Linear's layout: one weight row per output).
+     x      [M, K] float32
+     w      [N, K] int8; scale [N] float32; bias [N] float32 or NULL
+     y      [M, N] float32: y[m, o] = scale[o] * (x[m, :] . w[o, :]) + bias[o], the dot product summed in a
+            fixed order, so a row's bits do not depend on M or on the thread count
+   0 <= o0 <= o1 <= N. */
+void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
+                     int64_t N, float *y, int64_t o0, int64_t o1);
 
 /* The weighted sum of each token's routed outputs, rows [t0, t1) of y.
      idx  [T, Kt] int64: expert ids (the sum runs in ascending expert id, so a row's bits are fixed)
