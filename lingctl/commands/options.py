@@ -218,8 +218,12 @@ KvCacheTokensOpt = Annotated[
 ]
 DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Weights and compute: float32 or bfloat16.")]
 QuantizeOpt = Annotated[
-    Literal["int8"] | None,
-    typer.Option("--quantize", help="int8: weight-only int8 linear layers (default: none, weights in --dtype)."),
+    Literal["int8", "w8a8"] | None,
+    typer.Option(
+        "--quantize",
+        help="int8: weight-only int8 linear layers; w8a8: the same int8 weights, and with float32 activa"
+        "tions each token's activations quantized to int8 as well for integer products (faster, less exact) (default: none, weights in --dtype).",
+    ),
 ]
 ThreadsOpt = Annotated[
     int | None,

@@ -202,11 +202,11 @@ def test_matrix_products_of_four_or_more_rows_are_row_independent():
         assert torch.equal((x[:m] @ w.T), full[:m])
 
 
-@pytest.mark.parametrize("variant", ["int8", "bfloat16"])
+@pytest.mark.parametrize("variant", ["int8", "w8a8", "bfloat16"])
 def test_int8_and_bf16_models_are_batch_invariant_too(tiny_ckpt, variant):
     md = ModelDir.open(tiny_ckpt)
-    if variant == "int8":
-        model = md.load(dtype=torch.float32, quantize="int8")
+    if variant in ("int8", "w8a8"):
+        model = md.load(dtype=torch.float32, quantize=variant)
     else:
         model = md.load(dtype=torch.bfloat16)
     ps = prompts(9, seed=17)

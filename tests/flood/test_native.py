@@ -20,6 +20,7 @@ from lingctl.cli import run as cli_run
 from lingctl.flood.engine import native
 from lingctl.flood.engine.loop import Engine, EngineConfig, GenRequest
 from lingctl.flood.engine.sampling import SamplingParams
+from lingctl.flood.weights.model_dir import ModelDir
 from tests.flood.conftest import tiny_model
 
 
@@ -258,8 +259,10 @@ def test_the_build_is_cached_in_a_private_directory(kernels, tmp_path, monkeypat
     assert native._build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
-def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
-    """What lets the thread count follow the machine's load during a run (flood/engine/threads.py)."""
+@pytest.mark.parametrize("variant", ["float32", "int8", "w8a8"])
+def test_logits_are_the_same_bits_at_one_and_two_threads(kernels, tiny_ckpt, variant):
+    """What lets the thread count follow the machine's load during a run (flood/engine/threads.py): float
+    weights, int8 weights and int8 weights with int8 activations alike."""
     seen: dict[int, list[torch.Tensor]] = {}
 
     class Recording(Engine):
@@ -269,8 +272,11 @@ def test_logits_are_the_same_bits_at_one_and_two_threads(kernels):
 
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(2, 1024, (int(n),), generator=g).tolist() for n in (7, 21, 50, 3, 64, 12, 30)]
-    model = tiny_model()
-    model.normalize_head_()  # as every loader does (an unbaked NormHead reduces over the vocabulary per call)
+    if variant == "float32":
+        model = tiny_model()
+        model.normalize_head_()  # as every loader does (an unbaked NormHead reduces over the vocabulary per call)
+    else:
+        model = ModelDir.open(tiny_ckpt).load(dtype=torch.float32, quantize=variant)
 
     def logits(threads: int) -> dict[int, list[torch.Tensor]]:
         seen.clear()

@@ -104,6 +104,8 @@ class StackedExperts:
         self.down_EID = down_EID
         self.gate_up_scale_EX = stack.gate_up_scale_EX
         self.down_scale_ED = stack.down_scale_ED
+        # w8a8 (the experts' Int8Linear modules say so): activations quantized to int8 in the kernel too.
+        self.act_int8 = bool(getattr(block.expert(0).gate_proj, "act_int8", False))
         # The kernel's operands for int8 weights: output-major stacks and float32 scales (a few MB per layer).
         self.native_q8: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         if keep and stack.gate_up_scale_EX is not None and stack.down_scale_ED is not None:
@@ -145,7 +147,7 @@ class StackedExperts:
                 # them and widened in registers. (bfloat16 steps keep torch's bf16 products, which use the
                 # CPU's BF16 instructions: faster than widening to float32 where they exist.)
                 gate_up, down, scales = self.native_q8
-                return native_q8.moe(x_TD, idx_TK, weight_TK, gate_up, down, scales)
+                return native_q8.moe(x_TD, idx_TK, weight_TK, gate_up, down, scales, act_int8=self.act_int8)
         native = kernels() if not self.quantized and x_TD.dtype == torch.float32 else None
         if (
             native is not None

@@ -86,8 +86,9 @@ class EngineOptions:
     quantize: str | None = setting(
         None,
         flag="--quantize",
-        help="int8: weight-only int8 linear layers (default: none, weights in --dtype).",
-        choices=("int8",),
+        help="int8: weight-only int8 linear layers; w8a8: the same int8 weights, and with float32 activations each"
+        " token's activations quantized to int8 as well for integer products (faster, less exact) (default: none, weights in --dtype).",
+        choices=("int8", "w8a8"),
     )
     threads: int | None = setting(
         None,

@@ -19,7 +19,7 @@ from lingctl.core.units import format_size
 from lingctl.flood.engine.forward import MIN_ROWS
 from lingctl.flood.engine.segment_cache import KVPool
 from lingctl.flood.weights.loader import temp_bytes
-from lingctl.flood.weights.quantize import dense_weight_bytes, int8_weight_bytes
+from lingctl.flood.weights.quantize import INT8_MODES, dense_weight_bytes, int8_weight_bytes
 from lingctl.model.config import LingConfig
 
 HEADROOM = 0.9
@@ -54,7 +54,7 @@ class MemoryPlan:
 
 
 def weights_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -> int:
-    if quantize == "int8":
+    if quantize in INT8_MODES:
         return int8_weight_bytes(config, dtype)
     return dense_weight_bytes(config, dtype)
 
@@ -111,7 +111,7 @@ def activation_bytes(
     per_slot = size * (2 * d + 3 * width) + 4 * d
     routed = config.num_experts_per_tok if config.num_experts else 0
     acts = step_tokens * (per_token + routed * per_slot)
-    if quantize == "int8":
+    if quantize in INT8_MODES:
         widest = max(qkv, config.num_attention_heads * config.head_dim, shared, width) * d
         acts += widest * size
     return acts + sample_rows * v * (size + 3 * 4)

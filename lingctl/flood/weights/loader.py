@@ -33,7 +33,7 @@ from torch import nn
 
 from lingctl.core.errors import LingctlError
 from lingctl.flood.engine.experts import ExpertStack, attach_stack
-from lingctl.flood.weights.quantize import Int8Linear, eligible_linears, quantize_rows
+from lingctl.flood.weights.quantize import INT8_MODES, Int8Linear, eligible_linears, quantize_rows
 from lingctl.model.checkpoint import model_state
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import NORM_HEAD_EPS, LingForCausalLM
@@ -84,8 +84,8 @@ def load_streaming(
     """The model of ``directory`` (``files``: tensor name -> shard), or with ``layers=(first, last)`` only what
     that pipeline stage needs (the other layers stay on ``meta`` and cost nothing). Every header is checked
     against the config before the first tensor byte is read."""
-    if quantize not in (None, "int8"):
-        raise LingctlError(f"unknown quantization {quantize!r}; supported: int8")
+    if quantize is not None and quantize not in INT8_MODES:
+        raise LingctlError(f"unknown quantization {quantize!r}; supported: {', '.join(INT8_MODES)}")
     started = time.monotonic()
     threads = torch.get_num_threads()
     # The conversion is elementwise and memory-bound: one compute thread beside the reading thread keeps
@@ -117,8 +117,8 @@ def _load(
         # a copy: baking NormHead switches norm_head off on the model's own config
         model = LingForCausalLM(dataclasses.replace(config))
     shapes = {k: tuple(v.shape) for k, v in model_state(model).items()}
-    if quantize == "int8":
-        _int8_on_meta(model, dtype)
+    if quantize in INT8_MODES:
+        _int8_on_meta(model, dtype, act_int8=quantize == "w8a8")
     names = [k for k in shapes if _wanted(k, config, first, last)]
     missing = [k for k in names if k not in files]
     if missing:
@@ -196,14 +196,14 @@ def _bake_head(model: LingForCausalLM, dtype: torch.dtype, round_dtype: torch.dt
 # -- building the targets --------------------------------------------------------------------------------
 
 
-def _int8_on_meta(model: LingForCausalLM, dtype: torch.dtype) -> None:
+def _int8_on_meta(model: LingForCausalLM, dtype: torch.dtype, *, act_int8: bool = False) -> None:
     for name in eligible_linears(model, include_head=False):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         lin = getattr(parent, child)
-        setattr(
-            parent, child, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype, device="meta")
-        )
+        q = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype, device="meta")
+        q.act_int8 = act_int8
+        setattr(parent, child, q)
 
 
 def _entries(files: dict[str, Path], names: list[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorEntry]:
@@ -310,19 +310,20 @@ class _Targets:
         e = len(block.experts)
         width = block.expert(0).down_proj.in_features
         d = block.expert(0).down_proj.out_features
-        # Input-major storage ([E, D, 2I] and [E, I, D] contiguous), seen through transposed views with the
-        # stack's [E, 2I, D] / [E, D, I] shapes: the expert products read each weight row-major (x @ W), the
-        # layout the forward pass uses without copying.
-        wdtype = torch.int8 if self.quantize == "int8" else self.dtype
-        gate_up_EXD = torch.empty(e, d, 2 * width, dtype=wdtype).transpose(1, 2)
-        down_EDI = torch.empty(e, width, d, dtype=wdtype).transpose(1, 2)
-        if self.quantize == "int8":
+        if self.quantize in INT8_MODES:
+            # int8: output-major ([E, 2I, D] and [E, D, I] contiguous), one weight row per output, the layout
+            # flood's int8 kernels read; quantized rows are then written in place without a transpose.
             return ExpertStack(
-                gate_up_EXD=gate_up_EXD,
-                down_EDI=down_EDI,
+                gate_up_EXD=torch.empty(e, 2 * width, d, dtype=torch.int8),
+                down_EDI=torch.empty(e, d, width, dtype=torch.int8),
                 gate_up_scale_EX=torch.empty(e, 2 * width, dtype=self.dtype),
                 down_scale_ED=torch.empty(e, d, dtype=self.dtype),
             )
+        # Float: input-major storage ([E, D, 2I] and [E, I, D] contiguous), seen through transposed views with
+        # the stack's [E, 2I, D] / [E, D, I] shapes: the expert products read each weight row-major (x @ W), the
+        # layout the forward pass uses without copying.
+        gate_up_EXD = torch.empty(e, d, 2 * width, dtype=self.dtype).transpose(1, 2)
+        down_EDI = torch.empty(e, width, d, dtype=self.dtype).transpose(1, 2)
         return ExpertStack(gate_up_EXD=gate_up_EXD, down_EDI=down_EDI)
 
     def write(self, name: str, row: int, src: torch.Tensor, f32: _Scratch) -> None:

@@ -25,6 +25,10 @@ from lingctl.model.config import LingConfig
 
 QMAX = 127  # symmetric: -128 is never used, so negating a row never overflows
 
+# --quantize values: "int8" weight-only; "w8a8" the same int8 weights, and with float32 activations on flood's
+# kernels each row of activations quantized to int8 too (one scale per row) for exact integer products.
+INT8_MODES = ("int8", "w8a8")
+
 
 def _native_kernels() -> Any:
     """flood's native kernels when they are built and enabled (see lingctl.flood.engine.native), else None."""
@@ -77,6 +81,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        # w8a8: on flood's kernels, quantize each input row to int8 too (a plain attribute, not saved).
+        self.act_int8 = False
 
     @classmethod
     @torch.no_grad()
@@ -111,7 +117,8 @@ class Int8Linear(nn.Module):
             # thread count. float32 activations only: bfloat16 ones keep torch's bf16 products below, which
             # use the CPU's BF16 instructions where it has them (measured faster than widening to float32).
             bias = self.bias.to(torch.float32) if self.bias is not None else None
-            y = native.linear_q8(x.reshape(-1, self.in_features), self.weight_q, self.scale.to(torch.float32), bias)
+            x2 = x.reshape(-1, self.in_features)
+            y = native.linear_q8(x2, self.weight_q, self.scale.to(torch.float32), bias, act_int8=self.act_int8)
             return y.reshape(*x.shape[:-1], self.out_features)
         # Without the kernels: the int8 matrix is widened to x's dtype on every call, a temporary the size of
         # the layer in that dtype (one layer at a time, so peak memory grows by the largest layer, not the

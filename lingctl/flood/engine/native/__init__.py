@@ -100,6 +100,7 @@ _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, t
             ("outs", _ptr),
             ("scratch", _ptr),
             ("slot", _ptr),
+            ("act_int8", ctypes.c_int),
         ],
     ),
     "flood_linear_q8": (
@@ -115,8 +116,11 @@ _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, t
             ("y", _ptr),
             ("o0", _i64),
             ("o1", _i64),
+            ("qx", _ptr),
+            ("qs", _ptr),
         ],
     ),
+    "flood_vnni": (ctypes.c_int, []),
     "flood_moe_combine": (
         None,
         [
@@ -268,6 +272,8 @@ class Kernels:
         self._attn = functions["flood_attention"]
         # With OpenMP the library spreads each call over torch's threads itself.
         self.openmp = bool(functions["flood_openmp"]())
+        # int8 x int8 products on AVX-512 VNNI, or the portable loop (the same integers either way).
+        self.vnni = bool(functions["flood_vnni"]())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -300,8 +306,11 @@ class Kernels:
         gate_up_EDX: torch.Tensor,
         down_EID: torch.Tensor,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        act_int8: bool = False,
     ) -> torch.Tensor:
-        """Routed experts' weighted sum [T, D] of a float32 input: float32 weights input-major (``[E, D, 2I]``,
+        """Routed experts' weighted sum [T, D] of a float32 input (``act_int8``: int8 weights only, each row
+        quantized to int8 for exact integer products, see kernels.h): float32 weights input-major (``[E, D, 2I]``,
         ``[E, I, D]``), or int8 weights output-major (``[E, 2I, D]``, ``[E, D, I]``: the names then mean the
         transposes) with ``scales`` (float32 ``[E, 2I]`` and ``[E, D]``, one per output); the input and the
         routing are made contiguous here, expert ids checked in range; a ValueError for anything the kernels
@@ -330,7 +339,7 @@ class Kernels:
                 if scales is not None:
                     g, dn = gate_up_EDX.data_ptr(), down_EID.data_ptr()
                     gs, ds = scales[0].data_ptr(), scales[1].data_ptr()
-                    self._experts_q8(x.data_ptr(), t, d, idx.data_ptr(), k, g, gs, dn, ds, *common)
+                    self._experts_q8(x.data_ptr(), t, d, idx.data_ptr(), k, g, gs, dn, ds, *common, int(act_int8))
                 else:
                     self._experts(
                         x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(), *common
@@ -351,10 +360,18 @@ class Kernels:
         return y
 
     def linear_q8(
-        self, x_MK: torch.Tensor, weight_NK: torch.Tensor, scale_N: torch.Tensor, bias_N: torch.Tensor | None
+        self,
+        x_MK: torch.Tensor,
+        weight_NK: torch.Tensor,
+        scale_N: torch.Tensor,
+        bias_N: torch.Tensor | None,
+        *,
+        act_int8: bool = False,
     ) -> torch.Tensor:
         """``x @ (weight * scale[:, None]).T + bias`` [M, N] for int8 ``weight_NK`` (Int8Linear's layout) and a
-        float32 input, ``scale_N`` and ``bias_N``; each output summed in a fixed order (see kernels.h)."""
+        float32 input, ``scale_N`` and ``bias_N``; each output summed in a fixed order (see kernels.h).
+        ``act_int8``: the rows of x are quantized to int8 (one scale per row) and the products are exact
+        integer ones."""
         _require(x_MK.dim() == 2 and weight_NK.dim() == 2, "x_MK and weight_NK must be 2-D")
         m, k = x_MK.shape
         n = weight_NK.shape[0]
@@ -367,11 +384,15 @@ class Kernels:
         y = torch.empty(m, n, dtype=torch.float32)
         bias = bias_N.data_ptr() if bias_N is not None else None
         args = (x.data_ptr(), m, k, weight_NK.data_ptr(), scale_N.data_ptr(), bias, n, y.data_ptr())
-        if self.openmp or n == 0:
-            self._linear_q8(*args, 0, n)
+        if act_int8:
+            # The call quantizes the rows itself, so it takes every output column (kernels.h).
+            qx, qs = torch.empty(m, k, dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
+            self._linear_q8(*args, 0, n, qx.data_ptr(), qs.data_ptr())
+        elif self.openmp or n == 0:
+            self._linear_q8(*args, 0, n, None, None)
         else:
             parts = _split(list(range(1, n + 1)), torch.get_num_threads())
-            self._run([functools.partial(self._linear_q8, *args, a, b) for a, b in parts])
+            self._run([functools.partial(self._linear_q8, *args, a, b, None, None) for a, b in parts])
         return y
 
     def attention(

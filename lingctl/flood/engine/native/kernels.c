@@ -17,6 +17,10 @@
 #endif
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FLOOD_VNNI 1 /* the int8 dot products use AVX-512 VNNI (vpdpbusd); elsewhere a portable loop */
+#endif
 
 #define MB 8  /* rows per register block */
 #define NB 32 /* columns per register block: 8 x 32 float accumulators fit the 32 vector registers */
@@ -144,11 +148,84 @@ static void rows_q8(const float *in, int64_t M, int64_t K, const int8_t *w, cons
     }
 }
 
+/* Activations quantized per row for the int8 x int8 path: q = round(x / s) in [-127, 127] with s = max|x| / 127,
+   stored offset by 128 as unsigned bytes (the form the u8 x s8 dot-product instructions take); returns s. */
+static float quantize_row(const float *x, int64_t K, uint8_t *q) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+    float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
+    for (int64_t k = 0; k < K; k++) {
+        float v = nearbyintf(x[k] * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[k] = (uint8_t)((int)v + 128);
+    }
+    return s;
+}
+
+/* For R <= 4 quantized rows a (offset by 128) and one int8 weight row w: out[r] = sum_k (a[r, k] - 128) * w[k],
+   exact in int32 (|sum| <= K * 127 * 127), so the order of the additions cannot change it: the same integer on
+   any CPU, at any R, with or without VNNI. */
+static void dot_u8s8_rows(const uint8_t *a, int64_t stride, int R, const int8_t *w, int64_t K, int32_t *out) {
+#ifdef FLOOD_VNNI
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i wsum = _mm512_setzero_si512(); /* sum of w, times 128 below: removes the offset of a */
+    const __m512i ones = _mm512_set1_epi8(1);
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512i wv = _mm512_loadu_si512((const void *)(w + k));
+        wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512((const void *)(a + r * stride + k)), wv);
+    }
+    if (k < K) { /* masked loads: nothing past the rows is read */
+        __mmask64 m = (__mmask64)((~0ULL) >> (64 - (K - k)));
+        __m512i wv = _mm512_maskz_loadu_epi8(m, w + k);
+        wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(m, a + r * stride + k), wv);
+    }
+    int32_t offset = 128 * _mm512_reduce_add_epi32(wsum);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_epi32(acc[r]) - offset;
+#else
+    for (int r = 0; r < R; r++) {
+        const uint8_t *ar = a + r * stride;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; k++) sum += ((int32_t)ar[k] - 128) * (int32_t)w[k];
+        out[r] = sum;
+    }
+#endif
+}
+
+/* out[r, o] for int8 activations (``q``, ``qs``: M rows quantized by quantize_row) and int8 weights: the exact
+   integer dot product times the two scales (+ bias), in the same order for every row. */
+static void rows_i8(const uint8_t *q, const float *qs, int64_t M, int64_t K, const int8_t *w, const float *scale,
+                    const float *bias, int64_t N, float *out, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; o++) {
+        const int8_t *wo = w + o * K;
+        float so = scale[o], bo = bias ? bias[o] : 0.0f;
+        for (int64_t r = 0; r < M; r += 4) {
+            int R = M - r < 4 ? (int)(M - r) : 4;
+            int32_t sums[4];
+            dot_u8s8_rows(q + r * K, K, R, wo, K, sums);
+            for (int j = 0; j < R; j++) out[(r + j) * N + o] = (float)sums[j] * (qs[r + j] * so) + bo;
+        }
+    }
+}
+
+/* Buffers of one thread for the int8-activation path: quantized rows and their scales. */
+typedef struct {
+    uint8_t *q;
+    float *qs;
+} act8_buf;
+
 /* One expert's product for its m rows: float32 input-major weights (scale NULL) or int8 output-major ones with
    per-output scales. */
 static void product(const float *in, int64_t m, int64_t K, const void *w, const float *scale, int64_t N, float *out,
-                    float *wide) {
-    if (scale) {
+                    float *wide, act8_buf *act8) {
+    if (scale && act8) {
+        for (int64_t r = 0; r < m; r++) act8->qs[r] = quantize_row(in + r * K, K, act8->q + r * K);
+        rows_i8(act8->q, act8->qs, m, K, (const int8_t *)w, scale, NULL, N, out, 0, N);
+    } else if (scale) {
         rows_q8(in, m, K, (const int8_t *)w, scale, NULL, N, out, 0, N, wide);
     } else {
         if (m <= MB) few_rows_gemm(in, m, K, (const float *)w, N, out);
@@ -159,7 +236,7 @@ static void product(const float *in, int64_t m, int64_t K, const void *w, const 
 /* Routed experts of one layer, the experts [e0, e1) of it: see kernels.h. */
 static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const void *gate_up,
                         const float *gate_up_scale, const void *down, const float *down_scale, int64_t I, int64_t e0,
-                        int64_t e1, float *outs, float *scratch, int64_t *slot) {
+                        int64_t e1, float *outs, float *scratch, int64_t *slot, int act_int8) {
     int64_t N = T * Kt;
     size_t wsize = gate_up_scale ? sizeof(int8_t) : sizeof(float);
     /* per thread: rows [N + MB, D] (one expert's gathered inputs, zero-padded), h [N + MB, 2I], act [N + MB, I] */
@@ -191,6 +268,13 @@ static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx
     act = h + (N + MB) * 2 * I;
     int64_t widest = D > I ? D : I;
     float *wide = gate_up_scale ? (float *)malloc(sizeof(float) * (size_t)widest) : NULL;
+    act8_buf buf = {NULL, NULL}, *act8 = NULL;
+    if (gate_up_scale && act_int8) {
+        buf.q = (uint8_t *)malloc((size_t)((N + MB) * widest));
+        buf.qs = (float *)malloc(sizeof(float) * (size_t)(N + MB));
+        if (buf.q && buf.qs) act8 = &buf;
+        else { free(wide); wide = NULL; } /* the loop below then skips every expert: no partial result */
+    }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -205,19 +289,21 @@ static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx
         for (int64_t r = 0; r < m; r++)
             memcpy(rows + r * D, x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
         memset(rows + m * D, 0, sizeof(float) * (size_t)((mp - m) * D));
-        product(rows, m, D, gu, gs, 2 * I, h, wide);
+        product(rows, m, D, gu, gs, 2 * I, h, wide, act8);
         for (int64_t r = 0; r < mp; r++) {
             const float *g = h + r * 2 * I, *u = g + I;
             float *o = act + r * I;
             for (int64_t i = 0; i < I; i++)
                 o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        product(act, m, I, dn, ds, D, rows, wide);
+        product(act, m, I, dn, ds, D, rows, wide, act8);
         for (int64_t r = 0; r < m; r++)
             memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
     }
     free(own);
     free(wide);
+    free(buf.q);
+    free(buf.qs);
     }
     free(count);
 }
@@ -227,16 +313,17 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
                        const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                        float *scratch, int64_t *slot) {
     (void)E;
-    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot);
+    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot, 0);
 }
 
 /* Routed experts with int8 weights and per-output-column scales (kernels.h). */
 void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
                           const int8_t *gate_up, const float *gate_up_scale, const int8_t *down,
                           const float *down_scale, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
-                          float *scratch, int64_t *slot) {
+                          float *scratch, int64_t *slot, int act_int8) {
     (void)E;
-    moe_experts(x, T, D, idx, Kt, gate_up, gate_up_scale, down, down_scale, I, e0, e1, outs, scratch, slot);
+    moe_experts(x, T, D, idx, Kt, gate_up, gate_up_scale, down, down_scale, I, e0, e1, outs, scratch, slot,
+                act_int8);
 }
 
 /* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1)
@@ -270,7 +357,18 @@ void flood_moe_combine(const int64_t *idx, const float *wt, int64_t Kt, int64_t 
 
 /* An int8 linear layer, output columns [o0, o1) (kernels.h). */
 void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
-                     int64_t N, float *y, int64_t o0, int64_t o1) {
+                     int64_t N, float *y, int64_t o0, int64_t o1, uint8_t *qx, float *qs) {
+    if (qx) { /* int8 activations: every row quantized once, then the integer products */
+        for (int64_t m = 0; m < M; m++) qs[m] = quantize_row(x + m * K, K, qx + m * K);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (int64_t b = o0; b < o1; b += LINEAR_ROWS) {
+            int64_t end = b + LINEAR_ROWS < o1 ? b + LINEAR_ROWS : o1;
+            rows_i8(qx, qs, M, K, w, scale, bias, N, y, b, end);
+        }
+        return;
+    }
 #ifdef _OPENMP
 #pragma omp parallel
 #endif
@@ -342,6 +440,15 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
     free(own);
 #endif
     }
+}
+
+/* 1 when the int8 x int8 products use AVX-512 VNNI (kernels.h). */
+int flood_vnni(void) {
+#ifdef FLOOD_VNNI
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 when built with OpenMP (kernels.h). */

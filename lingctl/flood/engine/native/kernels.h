@@ -33,20 +33,28 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
      gate_up        [E, 2I, D] int8;  gate_up_scale [E, 2I] float32
      down           [E, D, I] int8;   down_scale    [E, D] float32
    Each output is a fixed-order dot product of the input row with the widened weight row (exact widening),
-   times its scale, so a row's bits do not depend on the other rows or the thread count. Any D and I > 0. */
+   times its scale, so a row's bits do not depend on the other rows or the thread count. Any D and I > 0.
+   act_int8 = 1: each input row (and each SwiGLU output row) is first quantized to int8 with one scale per row,
+   and the products are exact integer dot products (AVX-512 VNNI where built for it, else a portable loop: the
+   same integers), times both scales. */
 void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
                           const int8_t *gate_up, const float *gate_up_scale, const int8_t *down,
                           const float *down_scale, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
-                          float *scratch, int64_t *slot);
+                          float *scratch, int64_t *slot, int act_int8);
 
 /* An int8 linear layer, output columns [o0, o1) of y (Int8Linear's layout: one weight row per output).
      x      [M, K] float32
      w      [N, K] int8; scale [N] float32; bias [N] float32 or NULL
      y      [M, N] float32: y[m, o] = scale[o] * (x[m, :] . w[o, :]) + bias[o], the dot product summed in a
             fixed order, so a row's bits do not depend on M or on the thread count
-   0 <= o0 <= o1 <= N. */
+     qx, qs NULL, or [M, K] bytes and [M] floats: then the rows of x are quantized to int8 into them first (one
+            scale per row) and the dot products are exact integer ones, as act_int8 above
+   0 <= o0 <= o1 <= N. With qx, one call must cover all of [0, N) (the rows are quantized in the call). */
 void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
-                     int64_t N, float *y, int64_t o0, int64_t o1);
+                     int64_t N, float *y, int64_t o0, int64_t o1, uint8_t *qx, float *qs);
+
+/* 1 when the int8 x int8 products use AVX-512 VNNI, 0 for the portable loop (the same results). */
+int flood_vnni(void);
 
 /* The weighted sum of each token's routed outputs, rows [t0, t1) of y.
      idx  [T, Kt] int64: expert ids (the sum runs in ascending expert id, so a row's bits are fixed)
