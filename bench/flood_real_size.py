@@ -6,7 +6,7 @@
 For a checkpoint directory (e.g. from bench/ling_lite_checkpoint.py):
 1. a plain sequential read of every weight file, cold (each file dropped from the page cache first with
    POSIX_FADV_DONTNEED), in 64 MiB reads: the floor for any loader;
-2. ``lingctl flood run --quantize int8 --json`` as a subprocess, cold as well, for each ``DTYPE:BATCH`` of
+2. ``lingctl flood run --quantize int8 --json`` (or ``--quantize w8a8``) as a subprocess, cold as well, for each ``DTYPE:BATCH`` of
    ``--runs``: BATCH requests of 64 random token ids (8-16 new tokens, greedy); the summary gives the load
    time and bytes, the peak RSS, the plan and its parts, and generated tok/s (prefill included);
 3. ``--dtype bfloat16`` without int8: expected to be refused before any weight is read (time to refusal).
@@ -81,7 +81,7 @@ def batch_file(tmp: Path, n: int, vocab: int, new_tokens: int, seed: int = 0) ->
     return path
 
 
-def flood(ckpt: Path, batch: Path, dtype: str, quantize: bool, extra: list[str]) -> tuple[int, dict | str, float]:
+def flood(ckpt: Path, batch: Path, dtype: str, quantize: str | None, extra: list[str]) -> tuple[int, dict | str, float]:
     cmd = [
         sys.executable,
         "-m",
@@ -95,11 +95,11 @@ def flood(ckpt: Path, batch: Path, dtype: str, quantize: bool, extra: list[str])
         dtype,
         "--json",
         "-o",
-        str(batch.with_suffix(f".{dtype}.{int(quantize)}.out.jsonl")),
+        str(batch.with_suffix(f".{dtype}.{quantize}.out.jsonl")),
         *extra,
     ]
     if quantize:
-        cmd += ["--quantize", "int8"]
+        cmd += ["--quantize", quantize]
     t = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True)
     dt = time.monotonic() - t
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--no-refusal", action="store_true", help="skip the bfloat16-without-int8 run")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantize", default="int8", choices=["int8", "w8a8"])
     args = ap.parse_args()
     files = weight_files(args.ckpt)
     config = json.loads((args.ckpt / "config.json").read_text())
@@ -137,7 +138,7 @@ def main() -> None:
             dtype, n = spec.split(":")
             batch = batch_file(tmp, int(n), config["vocab_size"], args.new_tokens)
             evict(files)
-            rc, s, wall = flood(args.ckpt, batch, dtype, True, extra)
+            rc, s, wall = flood(args.ckpt, batch, dtype, args.quantize, extra)
             if rc != 0:
                 print(f"int8 {dtype} batch {n}: exit {rc}: {s}")
                 continue
@@ -165,7 +166,7 @@ def main() -> None:
             )
         if not args.no_refusal:
             batch = batch_file(tmp, 8, config["vocab_size"], args.new_tokens)
-            rc, s, wall = flood(args.ckpt, batch, "bfloat16", False, extra)
+            rc, s, wall = flood(args.ckpt, batch, "bfloat16", None, extra)
             print(f"\n--dtype bfloat16 without int8: exit {rc} after {wall:.1f} s: {s if rc else 'ran'}")
     print("\n| dtype | batch | load s | plain read s | load/read | peak RSS | plan | peak/plan | tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
