@@ -101,7 +101,7 @@ def test_timer_run_passes_flags_after_the_command_to_it(lingctl, tmp_path) -> No
     [
         (["babel", "sync"], ["[default: 5; x>=1]", "<none|sampled|full>", "[default: sampled]", "[default: 16"]),
         (["babel", "verify"], ["<meta|sampled|full>", "[default: 5; x>=1]"]),
-        (["flood", "run"], ["<float32|bfloat16>", "[default: float32]", "<int8>", "'-': standard"]),
+        (["flood", "run"], ["<float32|bfloat16>", "[default: float32]", "<int8|w8a8>", "'-': standard"]),
         (["pcache", "upload"], ["<none|sampled|full>", "[default: full]", "[default: 5; x>=1]"]),
         (["pcache", "plan"], ["[pcache] table", "adamw|sgd|none"]),
         (["doctor"], ["[default: 8MiB]", "[default: 5; x>=1]", "-v, --verbose"]),

@@ -120,6 +120,25 @@ def test_int8_linear_matches_the_dequantised_product_at_any_row_count(kernels, m
         kernels.linear_q8(x, wq[:, :-1], scale, bias)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_rows_quantize_as_quantize_rows_does_bit_for_bit(kernels, scale_dtype):
+    from lingctl.flood.weights.quantize import quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(7, 33), (64, 2048), (3, 1), (5, 1408)]:
+        w = (torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3).to(torch.bfloat16)
+        w[0] = 0  # an all-zero row: scale 1
+        w[-1, 0] = 1e-40  # a subnormal
+        chunk = torch.empty(shape)
+        want_scale = quantize_rows(w, scale_dtype, chunk)
+        q = torch.empty(shape, dtype=torch.int8)
+        scale = kernels.quantize_rows_bf16(w, q, scale_dtype)
+        assert scale is not None and torch.equal(scale, want_scale) and torch.equal(q, chunk.to(torch.int8))
+    bad = torch.ones(4, 8, dtype=torch.bfloat16)
+    bad[1, 3] = float("nan")
+    assert kernels.quantize_rows_bf16(bad, torch.empty(4, 8, dtype=torch.int8), scale_dtype) is None
+
+
 def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
     g = torch.Generator().manual_seed(7)
     wq, scale = _q8((96, 64), g)

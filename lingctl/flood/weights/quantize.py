@@ -30,7 +30,7 @@ QMAX = 127  # symmetric: -128 is never used, so negating a row never overflows
 INT8_MODES = ("int8", "w8a8")
 
 
-def _native_kernels() -> Any:
+def native_kernels() -> Any:
     """flood's native kernels when they are built and enabled (see lingctl.flood.engine.native), else None."""
     from lingctl.flood.engine.native import kernels
 
@@ -110,7 +110,7 @@ class Int8Linear(nn.Module):
         return self.weight_q.to(self.scale.dtype) * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = _native_kernels() if x.device.type == "cpu" and self.weight_q.is_contiguous() else None
+        native = native_kernels() if x.device.type == "cpu" and self.weight_q.is_contiguous() else None
         if native is not None and x.dtype == torch.float32 and x.numel():
             # flood's int8 kernel: each weight row is read once for all rows of x and widened in registers;
             # every output is a fixed-order sum, so a row's result depends neither on the batch nor on the

@@ -121,6 +121,10 @@ _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, t
         ],
     ),
     "flood_vnni": (ctypes.c_int, []),
+    "flood_quantize_rows_bf16": (
+        ctypes.c_int,
+        [("src", _ptr), ("rows", _i64), ("K", _i64), ("dst", _ptr), ("scale", _ptr), ("scale_bf16", ctypes.c_int)],
+    ),
     "flood_moe_combine": (
         None,
         [
@@ -268,6 +272,7 @@ class Kernels:
         self._experts = functions["flood_moe_experts"]
         self._experts_q8 = functions["flood_moe_experts_q8"]
         self._linear_q8 = functions["flood_linear_q8"]
+        self._quantize_rows = functions["flood_quantize_rows_bf16"]
         self._combine = functions["flood_moe_combine"]
         self._attn = functions["flood_attention"]
         # With OpenMP the library spreads each call over torch's threads itself.
@@ -394,6 +399,22 @@ class Kernels:
             parts = _split(list(range(1, n + 1)), torch.get_num_threads())
             self._run([functools.partial(self._linear_q8, *args, a, b, None, None) for a, b in parts])
         return y
+
+    def quantize_rows_bf16(
+        self, src_OI: torch.Tensor, out_OI: torch.Tensor, scale_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``quantize_rows`` for bfloat16 rows in one pass: int8 into ``out_OI``, the scales returned in
+        ``scale_dtype`` (float32 or bfloat16), the same bits; None (nothing to use) when a row is not finite."""
+        _require(src_OI.dim() == 2, "src_OI must be 2-D")
+        rows, k = src_OI.shape
+        _float32("src_OI", src_OI, (rows, k), torch.bfloat16)
+        _float32("out_OI", out_OI, (rows, k), torch.int8)
+        _require(scale_dtype in (torch.float32, torch.bfloat16), f"scales in {scale_dtype} are not supported")
+        scale = torch.empty(rows, dtype=torch.float32)
+        bf16 = int(scale_dtype == torch.bfloat16)
+        if self._quantize_rows(src_OI.data_ptr(), rows, k, out_OI.data_ptr(), scale.data_ptr(), bf16) != 0:
+            return None
+        return scale.to(scale_dtype)  # exact: already rounded to scale_dtype
 
     def attention(
         self,

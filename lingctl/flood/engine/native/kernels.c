@@ -442,6 +442,42 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
     }
 }
 
+/* Rows of bfloat16 weights quantized to int8 as lingctl.flood.weights.quantize.quantize_rows does it, bit for bit
+   (kernels.h): the absmax of a row, its scale amax / 127 rounded to the scale dtype, then each weight divided by
+   the scale, rounded half to even and clamped. */
+int flood_quantize_rows_bf16(const uint16_t *src, int64_t rows, int64_t K, int8_t *dst, float *scale,
+                             int scale_bf16) {
+    int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) reduction(| : bad)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *w = src + r * K;
+        uint16_t top = 0; /* magnitudes of positive floats order as their bit patterns do */
+        for (int64_t k = 0; k < K; k++) {
+            uint16_t a = (uint16_t)(w[k] & 0x7FFF);
+            top = a > top ? a : top;
+        }
+        if (top >= 0x7F80) { bad = 1; continue; } /* infinity or NaN: the caller quantizes this chunk itself */
+        union { uint32_t u; float f; } amax = {.u = (uint32_t)top << 16}, s;
+        s.f = amax.f / 127.0f;
+        if (scale_bf16) { /* round to bfloat16, to nearest even (s is finite and non-negative) */
+            uint32_t lsb = (s.u >> 16) & 1u;
+            s.u = (s.u + 0x7FFFu + lsb) & 0xFFFF0000u;
+        }
+        if (s.f == 0.0f) s.f = 1.0f;
+        scale[r] = s.f;
+        int8_t *q = dst + r * K;
+        for (int64_t k = 0; k < K; k++) {
+            union { uint32_t u; float f; } x = {.u = (uint32_t)w[k] << 16};
+            float v = nearbyintf(x.f / s.f);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[k] = (int8_t)v;
+        }
+    }
+    return bad ? -1 : 0;
+}
+
 /* 1 when the int8 x int8 products use AVX-512 VNNI (kernels.h). */
 int flood_vnni(void) {
 #ifdef FLOOD_VNNI

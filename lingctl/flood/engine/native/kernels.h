@@ -53,6 +53,15 @@ void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *i
 void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
                      int64_t N, float *y, int64_t o0, int64_t o1, uint8_t *qx, float *qs);
 
+/* Quantize rows of bfloat16 weights to int8 with one scale per row, exactly as quantize_rows in
+   lingctl/flood/weights/quantize.py (the loader's conversion, in one pass per row instead of several).
+     src    [rows, K] bfloat16 (as uint16 bit patterns)
+     dst    [rows, K] int8: q = clamp(round_half_even(w / scale), -127, 127)
+     scale  [rows] float32: max|w| / 127, rounded to bfloat16 first when scale_bf16 is 1; 1 for an all-zero row
+   Returns 0, or -1 when a row holds an infinity or a NaN (the caller then quantizes those rows itself). */
+int flood_quantize_rows_bf16(const uint16_t *src, int64_t rows, int64_t K, int8_t *dst, float *scale,
+                             int scale_bf16);
+
 /* 1 when the int8 x int8 products use AVX-512 VNNI, 0 for the portable loop (the same results). */
 int flood_vnni(void);
 
