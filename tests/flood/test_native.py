@@ -139,6 +139,38 @@ def test_bf16_rows_quantize_as_quantize_rows_does_bit_for_bit(kernels, scale_dty
     assert kernels.quantize_rows_bf16(bad, torch.empty(4, 8, dtype=torch.int8), scale_dtype) is None
 
 
+def test_int8_activation_products_are_the_same_with_and_without_vnni(kernels, tmp_path):
+    """w8a8's integer dot products are exact, so the portable loop and AVX-512 VNNI give the same results: a
+    build without VNNI (and without AVX-512) is compared with the build this machine uses."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("VNNI is an x86 instruction set: elsewhere only the portable loop is built")
+    cc = native._compiler()
+    assert cc is not None
+    plain = tmp_path / "portable.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3", *native._openmp_flags()]
+    built = subprocess.run([cc, *flags, "-o", str(plain), str(native.SOURCE), "-lm"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    portable = native.Kernels(ctypes.CDLL(str(plain)))
+    assert not portable.vnni
+    g = torch.Generator().manual_seed(11)
+    wq, scale = _q8((70, 131), g)
+    x = torch.randn(9, 131, generator=g)
+    assert torch.equal(
+        portable.linear_q8(x, wq, scale, None, act_int8=True), kernels.linear_q8(x, wq, scale, None, act_int8=True)
+    )
+    gate_up_q, gate_up_s = _q8((6, 2 * 24, 40), g)
+    down_q, down_s = _q8((6, 40, 24), g)
+    xs = torch.randn(13, 40, generator=g)
+    idx = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(13)])
+    w = torch.rand(13, 2, generator=g)
+    args = (xs, idx, w, gate_up_q, down_q, (gate_up_s, down_s))
+    assert torch.equal(portable.moe(*args, act_int8=True), kernels.moe(*args, act_int8=True))
+
+
 def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
     g = torch.Generator().manual_seed(7)
     wq, scale = _q8((96, 64), g)
