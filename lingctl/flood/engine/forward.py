@@ -33,6 +33,7 @@ from lingctl.flood.engine.native import Kernels, UnitTable, kernels
 from lingctl.flood.engine.packed import PackedLinear
 from lingctl.flood.engine.packed import available as packed_available
 from lingctl.flood.engine.segment_cache import KVPool
+from lingctl.flood.weights.quantize import Int8Linear
 from lingctl.model.layers import MLP, Attention, apply_rope, rope_cos_sin
 from lingctl.model.ling import DecoderLayer, LingForCausalLM
 from lingctl.model.moe import Router, SparseMoeBlock
@@ -340,7 +341,8 @@ class StageModel:
         self.head: Linear | None = None
         if self.is_last and not model.config.norm_head:
             # (NormHead is baked in by loaders; an unbaked head is normalised per call by ``logits``.)
-            if model.lm_head.weight is not model.model.word_embeddings.weight:
+            # (an int8 head is checked by type: reading its .weight would dequantize the whole head)
+            if isinstance(model.lm_head, Int8Linear) or model.lm_head.weight is not model.model.word_embeddings.weight:
                 self.head = _fast(model.lm_head)
             else:
                 self.head = PackedLinear.of(model.lm_head)

@@ -19,7 +19,7 @@ from lingctl.core.units import format_size
 from lingctl.flood.engine.forward import MIN_ROWS
 from lingctl.flood.engine.segment_cache import KVPool
 from lingctl.flood.weights.loader import temp_bytes
-from lingctl.flood.weights.quantize import INT8_MODES, dense_weight_bytes, int8_weight_bytes
+from lingctl.flood.weights.quantize import INT8_MODES, dense_weight_bytes, int8_head, int8_weight_bytes
 from lingctl.model.config import LingConfig
 
 HEADROOM = 0.9
@@ -55,7 +55,7 @@ class MemoryPlan:
 
 def weights_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -> int:
     if quantize in INT8_MODES:
-        return int8_weight_bytes(config, dtype)
+        return int8_weight_bytes(config, dtype, include_head=int8_head(quantize, dtype))
     return dense_weight_bytes(config, dtype)
 
 
@@ -70,7 +70,7 @@ def engine_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -
     if dtype not in (torch.float32, torch.bfloat16) or not available(dtype):
         return 0
     d = config.hidden_size
-    head = config.vocab_size * d
+    head = 0 if int8_head(quantize, dtype) else config.vocab_size * d  # an int8 head is not packed
     total = head
     if quantize is None:
         qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim

@@ -27,13 +27,22 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 
 from lingctl.core.errors import LingctlError
 from lingctl.flood.engine.experts import ExpertStack, attach_stack
-from lingctl.flood.weights.quantize import INT8_MODES, Int8Linear, eligible_linears, native_kernels, quantize_rows
+from lingctl.flood.weights.quantize import (
+    CHUNK_ROWS,
+    INT8_MODES,
+    Int8Linear,
+    eligible_linears,
+    int8_head,
+    native_kernels,
+    quantize_rows,
+)
 from lingctl.model.checkpoint import model_state
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import NORM_HEAD_EPS, LingForCausalLM
@@ -59,15 +68,19 @@ class LoadStats:
 def temp_bytes(config: LingConfig, dtype: torch.dtype, quantize: str | None) -> int:
     """The loader's peak temporaries: while reading, or, after the last file, baking NormHead (a column
     block, then row chunks in float32 and their rounded copy) and, when int8 keeps a float32 file's head
-    until it is baked, that head in float32."""
+    until it is baked, that head in float32; with an int8 head (w8a8), the float head until it is quantized."""
     # two read buffers; quantizing: the float32 rows of a piece, their int8 copy and its transpose
     reading = 2 * CHUNK_BYTES + (F32_BYTES + F32_BYTES // 2 if quantize else 0)
-    if not config.norm_head:
-        return reading
     v, d = config.vocab_size, config.hidden_size
-    bake = v * min(d, NORM_COLUMNS) * 4 + 3 * F32_BYTES // 2
-    if quantize and not _lossless(_file_dtype(config), dtype):
+    if not config.norm_head:
+        bake = 0
+    else:
+        bake = v * min(d, NORM_COLUMNS) * 4 + 3 * F32_BYTES // 2
+    if config.norm_head and quantize and not _lossless(_file_dtype(config), dtype):
         bake += v * d * _file_dtype(config).itemsize
+    if int8_head(quantize, dtype) and not config.tie_word_embeddings:
+        # the float head until it is quantized (the int8 one counts as a weight), and one float32 chunk of it
+        return max(reading, bake) + v * d * dtype.itemsize + CHUNK_ROWS * d * 4
     return max(reading, bake)
 
 
@@ -143,6 +156,8 @@ def _load(
     if bake:
         # int8 normalised the head while it still had the file's dtype; a plain load after the cast
         _bake_head(model, dtype, entries[head_name].dtype if quantize else dtype)
+    if last == n and int8_head(quantize, dtype) and not config.tie_word_embeddings:
+        _quantize_head(model, dtype)
     model.eval()
     release_free_memory()
     stats = LoadStats(
@@ -180,6 +195,13 @@ def _read_files(by_file: dict[Path, list[TensorEntry]], targets: _Targets, chunk
         del reader, piece, src  # its buffers go before the next file's are filled
     f32.release()
     return bytes_read
+
+
+def _quantize_head(model: LingForCausalLM, dtype: torch.dtype) -> None:
+    """w8a8: the (baked) head as int8 with int8 activations, quantized in row chunks; the float head is freed."""
+    head = Int8Linear.from_linear(cast(nn.Linear, model.lm_head), dtype)
+    head.act_int8 = True
+    model.lm_head = cast(nn.Linear, head)
 
 
 def _bake_head(model: LingForCausalLM, dtype: torch.dtype, round_dtype: torch.dtype) -> None:

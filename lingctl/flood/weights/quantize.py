@@ -24,10 +24,18 @@ from torch import nn
 from lingctl.model.config import LingConfig
 
 QMAX = 127  # symmetric: -128 is never used, so negating a row never overflows
+CHUNK_ROWS = 4096  # rows quantized at a time by Int8Linear.from_linear (its one float32 temporary)
 
 # --quantize values: "int8" weight-only; "w8a8" the same int8 weights, and with float32 activations on flood's
 # kernels each row of activations quantized to int8 too (one scale per row) for exact integer products.
 INT8_MODES = ("int8", "w8a8")
+
+
+def int8_head(quantize: str | None, dtype: torch.dtype) -> bool:
+    """Whether the LM head is made int8 too: with w8a8 and float32 activations, where flood's kernels multiply
+    it (a float32 head is a third of what a Ling-lite decode step reads, and its oneDNN copy as much again);
+    with bfloat16 activations it would be widened on every call, so it stays in float."""
+    return quantize == "w8a8" and dtype == torch.float32
 
 
 def native_kernels() -> Any:
@@ -86,7 +94,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, *, rows_per_chunk: int = 4096) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype, *, rows_per_chunk: int = CHUNK_ROWS) -> Int8Linear:
         """Quantize ``linear`` row chunk by row chunk: the only float32 temporary is one chunk of
         ``rows_per_chunk`` x I, so a weight mmap'd from a huge bf16 checkpoint is never copied whole."""
         if rows_per_chunk <= 0:
