@@ -392,3 +392,16 @@ def _linear(w: torch.Tensor) -> torch.nn.Linear:
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
     lin.weight.data.copy_(w)
     return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_w8a8_loads_the_weights_its_plan_counts(tiny_dirs, dtype) -> None:
+    """w8a8 with float32 activations makes the LM head int8 too (and with bfloat16 keeps it in float): the
+    loaded model holds exactly the bytes the memory plan counts for its weights."""
+    from lingctl.flood.engine.plan import weights_bytes
+    from lingctl.flood.weights.quantize import model_bytes
+
+    md = ModelDir.open(tiny_dirs["bf16"])
+    model = md.load(dtype=dtype, quantize="w8a8")
+    assert isinstance(model.lm_head, Int8Linear) == (dtype == torch.float32)
+    assert model_bytes(model) == weights_bytes(md.config, dtype, "w8a8")
