@@ -63,18 +63,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# flood runs here as `lingctl flood run` runs it: with its OpenMP wait policy, which must be in place before
-# torch loads. vLLM's processes get the environment as it was (see VllmSide).
+# flood runs here as `lingctl flood run` runs it, with libgomp's default wait policy (docs/flood.md, "Threads").
+# vLLM's processes get the environment as it was (see VllmSide).
 USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-try:
-    from lingctl.flood.engine import threads as flood_threads
-except ImportError:  # a lingctl without a thread policy leaves OpenMP's defaults
-    pass
-else:
-    # Looked up by name: a lingctl whose thread policy has no prefer_passive_wait leaves them too.
-    getattr(flood_threads, "prefer_passive_wait", lambda: None)()
 
-import torch  # noqa: E402 (after the wait policy above)
+import torch  # noqa: E402
 from flood_vs_hf import SEED, Workload, agreement, ling_config, run_flood, workload_a  # noqa: E402
 
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # read before anything changes it
