@@ -25,7 +25,6 @@ DEFAULT_RETRIES = 5
 
 # Fixed sets of values: Typer checks them (a bad one is a usage error, exit 2) and --help lists them.
 VerifyMode = Literal["none", "sampled", "full"]
-Dtype = Literal["float32", "bfloat16"]
 
 # Where a command writes one file, this name means standard output.
 STDOUT = "-"
@@ -199,48 +198,4 @@ MaxDeleteOpt = Annotated[
 ]
 DeleteOpt = Annotated[
     bool, typer.Option("--delete", hidden=True, help="Accepted for old scripts: sync always deletes.")
-]
-
-
-# flood's engine settings, shared by `flood run` and `flood eval`.
-MaxBatchTokensOpt = Annotated[
-    int,
-    typer.Option("--max-batch-tokens", metavar="N", help="Tokens per engine step (outputs do not depend on it)."),
-]
-MaxSeqsOpt = Annotated[int, typer.Option("--max-seqs", metavar="N", help="Requests running at once.")]
-KvCacheTokensOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--kv-cache-tokens",
-        metavar="N",
-        help="KV cache size in tokens (default: what the work needs, within 90% of free memory).",
-    ),
-]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Weights and compute: float32 or bfloat16.")]
-QuantizeOpt = Annotated[
-    Literal["int8", "w8a8"] | None,
-    typer.Option(
-        "--quantize",
-        help="int8: weight-only int8 linear layers; w8a8: the same int8 weights, and with float32 activa"
-        "tions each token's activations quantized to int8 as well for integer products (faster, less exact) (default: none, weights in --dtype).",
-    ),
-]
-ThreadsOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--threads",
-        metavar="N",
-        help="CPU compute threads. Default (or 0): the cores other processes leave "
-        "free, re-measured every few seconds; one thread where results would depend "
-        "on the count (float32 with int8 weights, or without a C compiler for "
-        "flood's kernels).",
-    ),
-]
-PrefixSharingOpt = Annotated[
-    bool,
-    typer.Option(
-        "--prefix-sharing/--no-prefix-sharing",
-        help="Compute prompt prefixes shared by several requests once (for eval: an item's context across its "
-        "choices, and few-shot examples).",
-    ),
 ]

@@ -178,7 +178,8 @@ def _require(ok: bool, what: str) -> None:
         raise ValueError(f"flood kernel call: {what}")
 
 
-def _float32(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+    """``t`` is a contiguous CPU tensor of ``shape`` and ``dtype`` (float32 unless said), else a ValueError."""
     _require(t.dtype == dtype, f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
     _require(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     _require(t.is_contiguous(), f"{name} must be contiguous")
@@ -381,11 +382,11 @@ class Kernels:
         m, k = x_MK.shape
         n = weight_NK.shape[0]
         x = x_MK.contiguous()
-        _float32("x_MK", x, (m, k))
-        _float32("weight_NK", weight_NK, (n, k), torch.int8)
-        _float32("scale_N", scale_N, (n,))
+        _check("x_MK", x, (m, k))
+        _check("weight_NK", weight_NK, (n, k), torch.int8)
+        _check("scale_N", scale_N, (n,))
         if bias_N is not None:
-            _float32("bias_N", bias_N, (n,))
+            _check("bias_N", bias_N, (n,))
         y = torch.empty(m, n, dtype=torch.float32)
         bias = bias_N.data_ptr() if bias_N is not None else None
         args = (x.data_ptr(), m, k, weight_NK.data_ptr(), scale_N.data_ptr(), bias, n, y.data_ptr())
@@ -407,8 +408,8 @@ class Kernels:
         ``scale_dtype`` (float32 or bfloat16), the same bits; None (nothing to use) when a row is not finite."""
         _require(src_OI.dim() == 2, "src_OI must be 2-D")
         rows, k = src_OI.shape
-        _float32("src_OI", src_OI, (rows, k), torch.bfloat16)
-        _float32("out_OI", out_OI, (rows, k), torch.int8)
+        _check("src_OI", src_OI, (rows, k), torch.bfloat16)
+        _check("out_OI", out_OI, (rows, k), torch.int8)
         _require(scale_dtype in (torch.float32, torch.bfloat16), f"scales in {scale_dtype} are not supported")
         scale = torch.empty(rows, dtype=torch.float32)
         bf16 = int(scale_dtype == torch.bfloat16)
@@ -430,10 +431,10 @@ class Kernels:
         _require(q_THD.dim() == 3 and k_pool.dim() == 3, "q_THD and the KV pools must be 3-D")
         t, h, dh = q_THD.shape
         capacity, kh, _ = k_pool.shape
-        _float32("q_THD", q_THD, (t, h, dh))
-        _float32("out_THD", out_THD, (t, h, dh))
-        _float32("k_pool", k_pool, (capacity, kh, dh))
-        _float32("v_pool", v_pool, (capacity, kh, dh))
+        _check("q_THD", q_THD, (t, h, dh))
+        _check("out_THD", out_THD, (t, h, dh))
+        _check("k_pool", k_pool, (capacity, kh, dh))
+        _check("v_pool", v_pool, (capacity, kh, dh))
         _require(kh > 0 and h % kh == 0, f"{h} query heads cannot share {kh} KV heads")
         _require(table.rows <= t, f"the units cover {table.rows} rows; the step has {t}")
         _require(table.slots <= capacity, f"the units read slot {table.slots - 1}; the pool holds {capacity}")
@@ -479,18 +480,18 @@ def _moe_inputs(
     e = gate_up_EDX.shape[0]
     if scales is None:
         i = down_EID.shape[1]
-        _float32("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
-        _float32("down_EID", down_EID, (e, i, d))
+        _check("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
+        _check("down_EID", down_EID, (e, i, d))
         _require(Kernels.moe_supported(d, i, k), f"widths D={d}, 2I={2 * i} and top-k {k} are not supported")
     else:
         i = down_EID.shape[2]
-        _float32("gate_up_EXD", gate_up_EDX, (e, 2 * i, d), torch.int8)
-        _float32("down_EDI", down_EID, (e, d, i), torch.int8)
-        _float32("gate_up_scale", scales[0], (e, 2 * i))
-        _float32("down_scale", scales[1], (e, d))
+        _check("gate_up_EXD", gate_up_EDX, (e, 2 * i, d), torch.int8)
+        _check("down_EDI", down_EID, (e, d, i), torch.int8)
+        _check("gate_up_scale", scales[0], (e, 2 * i))
+        _check("down_scale", scales[1], (e, d))
         _require(d > 0 and i > 0 and k <= MAX_TOP_K, f"widths D={d}, I={i} and top-k {k} are not supported")
     x = x_TD.contiguous()
-    _float32("x_TD", x, (t, d))
+    _check("x_TD", x, (t, d))
     _require(tuple(weight_TK.shape) == (t, k), f"weight_TK must have shape {[t, k]}, got {list(weight_TK.shape)}")
     _require(not idx_TK.is_floating_point(), f"idx_TK must hold integers, got {idx_TK.dtype}")
     idx = idx_TK.to(torch.int64).contiguous()
