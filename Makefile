@@ -53,3 +53,30 @@ $(VLLM_STAMP): constraints.txt
 	@touch $(VLLM_STAMP)
 
 bench-vllm: $(STAMP) $(VLLM_STAMP)
+
+# llama.cpp, the CPU engine flood's int8 path is measured against (bench/flood_vs_llamacpp.py): built from the
+# source tree llama-cpp-python 0.3.36 ships (vendor/llama.cpp; only its two benchmark tools, tuned for this CPU),
+# and a venv for its checkpoint converter (convert_hf_to_gguf.py: torch, transformers, numpy). About 10 minutes
+# on 2 cores; everything lands under .bench/.
+LLAMA_VERSION := 0.3.36
+LLAMA_SRC     := .bench/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp
+LLAMA_VENV    := .bench/venv-llamacpp
+LLAMA_STAMP   := .bench/.llamacpp-built
+
+.PHONY: bench-llamacpp
+
+$(LLAMA_STAMP): constraints.txt
+	mkdir -p .bench
+	test -d $(LLAMA_SRC) || ($(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps \
+	  --no-binary :all: llama-cpp-python==$(LLAMA_VERSION) -d .bench \
+	  && tar -xzf .bench/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C .bench)
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON
+	cmake --build $(LLAMA_SRC)/build -j2 --target llama-bench llama-batched-bench
+	@test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch
+	$(LLAMA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+	  transformers tokenizers numpy sentencepiece protobuf
+	@touch $(LLAMA_STAMP)
+
+bench-llamacpp: $(STAMP) $(LLAMA_STAMP)

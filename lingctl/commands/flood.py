@@ -16,7 +16,8 @@ from lingctl.commands import flood_eval
 from lingctl.commands.flood_render import answers_to_stdout, command_output, progress, run_summary, stop_after_step
 from lingctl.commands.options import JsonOpt
 from lingctl.core.errors import UsageError
-from lingctl.core.output import to_jsonable
+from lingctl.core.output import Output, to_jsonable
+from lingctl.core.units import format_size
 from lingctl.flood.engine.options import EngineOptions, Setting, settings
 
 app = typer.Typer(
@@ -155,3 +156,44 @@ def run(
     if to_stdout:
         summary.out = "stdout"
     out_.result(to_jsonable(summary), run_summary(summary))
+
+
+@app.command("quantize")
+def quantize(
+    src: Annotated[
+        str,
+        typer.Argument(
+            metavar="SRC", help="Checkpoint directory (lingctl or Hugging Face layout), or a Hugging Face model id."
+        ),
+    ],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="New (or empty) directory for the converted checkpoint.")],
+    mode: Annotated[
+        Literal["int8", "w8a8"],
+        typer.Option("--quantize", help="What the conversion is for, as flood run's --quantize."),
+    ] = "int8",
+    dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        typer.Option("--dtype", help="The runs' --dtype: scales and float tensors are stored in it."),
+    ] = "float32",
+    json: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint once into flood's int8 serving form, so that every later run loads it by plain reads.
+
+    DST is written only when new or empty (an interrupted conversion is redone); a run of DST uses the
+    --quantize and --dtype it was converted for. transformers cannot load DST: keep the original.
+    """
+    from lingctl.flood.weights.converted import convert  # torch loads only here
+    from lingctl.flood.weights.model_dir import ModelDir
+    from lingctl.model.hub import resolve_model_dir
+
+    out = Output(json)
+    md = ModelDir.open(resolve_model_dir(src, option="SRC"))
+    report = convert(md, dst, mode=mode, dtype=dtype, on_phase=out.info)
+    if report.reused:
+        human = f"{dst} already holds this conversion of {md.path}; nothing to do"
+    else:
+        human = (
+            f"converted {md.path} -> {dst} ({mode}, {dtype}): {report.tensors} tensors in {report.files} file(s), "
+            f"{format_size(report.bytes_written)}; load {report.load_seconds:.1f} s, write {report.write_seconds:.1f} s"
+        )
+    out.result(to_jsonable(report), human)

@@ -78,7 +78,8 @@ def run_summary(s: FloodSummary) -> str:
         return "\n".join(lines)
     lines.append(
         f"{s.succeeded} answered, {s.failed + s.invalid_lines} failed, {s.already_done} already done; "
-        f"{s.generated_tokens:,} tokens in {s.seconds:.1f} s = {s.generated_tokens_per_s:,.0f} tok/s; "
+        f"{s.generated_tokens:,} tokens in {s.seconds:.1f} s = {s.generated_tokens_per_s:,.0f} tok/s "
+        f"(prompt {s.prompt_tokens_per_s:,.1f} tok/s, decode {s.decode_tokens_per_s:,.1f} tok/s); "
         f"prefix sharing saved {s.prefix_tokens_saved:,} prefill tokens; peak KV "
         f"{s.kv_peak_tokens:,}/{s.kv_cache_tokens:,} tokens; {s.preemptions} preemptions"
     )

@@ -41,6 +41,13 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 DEFAULT_METADATA = {"format": "pt"}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype`` ("BF16", "I8", ...)."""
+    if dtype not in _NAMES:
+        raise LingctlError(f"safetensors cannot store dtype {dtype}")
+    return _NAMES[dtype]
+
+
 def write_safetensors(
     f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> None:
@@ -248,6 +255,56 @@ class StreamReader:
             done += got
         self.bytes_read += n
         return out
+
+
+def read_into(path: Path, items: list[tuple[TensorEntry, torch.Tensor]], batch_bytes: int = 64 * 2**20) -> int:
+    """Read each entry's bytes straight into its tensor (contiguous uint8 of ``entry.nbytes``), in file order,
+    entries that follow each other in the file gathered into one ``preadv`` of up to ``batch_bytes`` (a
+    converted checkpoint holds thousands of few-MB tensors: one read each left the disk idle between them).
+    Ranges are dropped from the page cache once read. Returns the bytes read."""
+    items = sorted(items, key=lambda it: it[0].begin)
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _advise(fd, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
+        i = 0
+        while i < len(items):
+            start = items[i][0].begin
+            end = start
+            views: list[memoryview] = []
+            while i < len(items) and items[i][0].begin == end and (not views or end - start < batch_bytes):
+                entry, home = items[i]
+                if entry.nbytes:
+                    views.append(home.numpy().data.cast("B"))
+                end += entry.nbytes
+                i += 1
+            total += _preadv_all(fd, path, views, start, end - start)
+            _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", None), start, end - start)
+    finally:
+        os.close(fd)
+    return total
+
+
+def _preadv_all(fd: int, path: Path, views: list[memoryview], offset: int, n: int) -> int:
+    done = 0
+    while done < n:
+        got = os.preadv(fd, _skip(views, done), offset + done)
+        if got <= 0:
+            raise LingctlError(f"{path}: truncated while reading (the file changed while it was read?)")
+        done += got
+    return done
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes (after a short read)."""
+    out: list[memoryview] = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
 
 
 def _advise(fd: int, advice: int | None, offset: int = 0, length: int = 0) -> None:

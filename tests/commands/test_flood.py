@@ -71,6 +71,9 @@ def test_output_is_openai_batch_format_in_completion_order(lingctl, tiny_ckpt, t
     assert out[2]["response"]["body"]["model"] == "tiny"
     assert read_jsonl(tmp_path / "b.errors.jsonl") == []
     assert summary["generated_tokens"] == 46
+    # prompt processing and decoding timed apart: both happened in this run
+    assert summary["prompt_tokens_per_s"] > 0 and summary["decode_tokens_per_s"] > 0
+    assert summary["engine"]["prefill_tokens"] == 8
 
 
 def test_malformed_lines_go_to_the_errors_file_and_the_rest_run(lingctl, tiny_ckpt, tmp_path):

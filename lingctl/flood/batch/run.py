@@ -75,6 +75,10 @@ class FloodSummary:
     generated_tokens: int = 0
     seconds: float = 0.0
     generated_tokens_per_s: float = 0.0
+    # Prompt tokens computed per second of the steps that had any, and tokens generated per second of the
+    # steps that only decoded (a step that mixes the two counts as prompt processing).
+    prompt_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
     prefix_entries: int = 0
     prefix_tokens_saved: int = 0
     steps: int = 0
@@ -127,7 +131,16 @@ def _open_model(opts: FloodOptions) -> tuple[ModelDir, TextCodec, str | None]:
     """The model directory, checked to fit before a weight byte is read, its text codec and chat template."""
     model_dir = resolve_model_dir(opts.model, option="--model")
     md = ModelDir.open(model_dir)  # stages, fingerprint and loading all use this directory, never the id
-    check_weights_fit(md.config, dtype=parse_dtype(opts.engine.dtype), quantize=opts.engine.quantize)
+    # A converted checkpoint decides --quantize (the manifest, the plan and the threads then see it).
+    opts.engine = dataclasses.replace(
+        opts.engine, quantize=md.serving_quantize(opts.engine.quantize, opts.engine.dtype)
+    )
+    check_weights_fit(
+        md.config,
+        dtype=parse_dtype(opts.engine.dtype),
+        quantize=opts.engine.quantize,
+        converted=md.converted is not None,
+    )
     if not opts.dry_run:
         md.check_weights()
     template = _read_template(opts.chat_template) if opts.chat_template is not None else md.chat_template()
@@ -240,7 +253,9 @@ def peak_rss_bytes() -> int:
 
 def _plan(opts: FloodOptions, md: ModelDir, requests: list[GenRequest], summary: FloodSummary) -> MemoryPlan:
     """The memory plan (refused here when the batch cannot fit), and what a dry run reports of the batch."""
-    plan = plan_requests(md.config, requests, opts.engine, parse_dtype(opts.engine.dtype))
+    plan = plan_requests(
+        md.config, requests, opts.engine, parse_dtype(opts.engine.dtype), converted=md.converted is not None
+    )
     summary.plan = plan
     summary.plan_total_bytes = plan.total_bytes
     summary.kv_cache_tokens = plan.kv_tokens
@@ -323,6 +338,10 @@ def _fill(summary: FloodSummary, session: EngineSession) -> None:
     summary.generated_tokens = stats.generated_tokens
     summary.seconds = seconds
     summary.generated_tokens_per_s = stats.generated_tokens / seconds if seconds > 0 else 0.0
+    sched = stats.scheduler
+    summary.prompt_tokens_per_s = sched.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0
+    decode = stats.decode_seconds
+    summary.decode_tokens_per_s = stats.decode_step_tokens / decode if decode > 0 else 0.0
     summary.prefix_entries = stats.prefix_entries
     summary.prefix_tokens_saved = stats.prefix_tokens_saved
     summary.steps = stats.scheduler.steps

@@ -131,6 +131,28 @@ def project(
     return apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0], v
 
 
+def rowwise(linear: Linear | nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether ``linear``'s products on ``x`` are flood's int8 kernels, which compute every row alone in a fixed
+    order whatever the row count: there, padding rows (``MIN_ROWS``) buy no invariance and cost real work (a
+    one-token decode step would multiply 4 rows: twice the time of one in the w8a8 kernels, measured)."""
+    return (
+        isinstance(linear, Int8Linear)
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and linear.weight_q.is_contiguous()
+        and kernels() is not None
+    )
+
+
+def real_rows(linear: Linear, x_TD: torch.Tensor, real: int) -> torch.Tensor:
+    """``linear(x_TD)``, computing only the first ``real`` rows where ``rowwise`` holds (padding rows are zeros)."""
+    if real >= x_TD.shape[0] or not rowwise(linear, x_TD):
+        return linear(x_TD)
+    y = x_TD.new_zeros(x_TD.shape[0], cast(Int8Linear, linear).out_features)
+    y[:real] = linear(x_TD[:real])
+    return y
+
+
 def attention_step(
     attn: Attention,
     ops: LayerOps,
@@ -151,7 +173,7 @@ def attention_step(
     twice (64 requests, 4 layers; the second time with ``index_select``, 6x faster than indexing, and
     padding per unit so results stay batch-free): a batched SDPA over 20 one-token queries cost what 20
     separate calls do (256 vs 227 us) and the gather came on top, so units stay one call each."""
-    q_HTD, k_KTD, v_KTD = project(attn, ops.qkv, x_TD, cos, sin)
+    q_HTD, k_KTD, v_KTD = project(attn, functools.partial(real_rows, ops.qkv, real=real), x_TD, cos, sin)
     pool.write(layer, slots_T, k_KTD.transpose(0, 1), v_KTD.transpose(0, 1))
     k_pool, v_pool = pool.k[layer], pool.v[layer]  # [capacity, K, Dh]
     if native is not None:
@@ -159,7 +181,7 @@ def attention_step(
         q_THD = q_HTD.transpose(0, 1).contiguous()
         out_THD = q_THD.new_zeros(t, attn.num_heads, attn.head_dim)
         native.kernels.attention(q_THD, k_pool, v_pool, native.table, attn.head_dim**-0.5, out_THD)
-        return ops.dense(out_THD.view(t, attn.num_heads * attn.head_dim))
+        return real_rows(ops.dense, out_THD.view(t, attn.num_heads * attn.head_dim), real)
     groups = attn.num_heads // attn.num_kv_heads
     gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
     q = q_HTD.unsqueeze(0)
@@ -189,7 +211,7 @@ def attention_step(
     if real < t:
         outs.append(q.new_zeros(1, attn.num_heads, t - real, attn.head_dim))
     out_1HTD = torch.cat(outs, dim=2)
-    return ops.dense(out_1HTD[0].transpose(0, 1).reshape(t, attn.num_heads * attn.head_dim))
+    return real_rows(ops.dense, out_1HTD[0].transpose(0, 1).reshape(t, attn.num_heads * attn.head_dim), real)
 
 
 class FusedMLP:
@@ -299,8 +321,11 @@ def mlp_step(
             idx_TK, weight_TK = route.topk_idx_TK, route.topk_weight_TK
         y = x_TD.new_zeros(x_TD.shape)
         y[:real] = routed_experts(mlp, stacked, x_TD[:real], idx_TK[:real], weight_TK[:real], MIN_ROWS)
-        if mlp.shared_experts is not None:
-            y = y + _mlp(mlp.shared_experts, fused, x_TD)
+        shared = mlp.shared_experts
+        if shared is not None and fused is None and real < x_TD.shape[0] and rowwise(shared.down_proj, x_TD):
+            y[:real] = y[:real] + shared(x_TD[:real])  # int8 kernels: the padding rows are not computed
+        elif shared is not None:
+            y = y + _mlp(shared, fused, x_TD)
         return y
     return _mlp(mlp, fused, x_TD)
 
@@ -389,7 +414,8 @@ class StageModel:
         n = len(rows)
         if not n:
             return x.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
-        rows += [rows[-1]] * max(0, MIN_ROWS - n)
+        if not rowwise(self.head, x):
+            rows += [rows[-1]] * max(0, MIN_ROWS - n)
         h = self.model.model.norm(x[torch.tensor(rows, dtype=torch.long)])
         logits = self.head(h) if self.head is not None else self.model.logits(h)
         return logits[:n].to(torch.float32)

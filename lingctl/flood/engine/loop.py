@@ -97,6 +97,11 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     seconds: float = 0.0
+    # Time of the steps that computed prompt tokens, and of those that only decoded (one token per running
+    # request): prompt processing and generation speed, as vLLM's logs and llama.cpp's benchmarks split them.
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_step_tokens: int = 0  # tokens sampled in those decode-only steps
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
 
 
@@ -302,19 +307,29 @@ class Engine:
     ) -> Iterator[GenResult]:
         """Keep up to ``runner.depth`` steps in flight; finish the oldest, yield what it finished, repeat."""
         done: list[GenResult] = []
-        in_flight: list[Step] = []
+        in_flight: list[tuple[Step, bool]] = []  # with whether it computes prompt tokens
+        last = time.monotonic()
         while sched.has_work or in_flight:
             while len(in_flight) < self.runner.depth:
+                prompt_before = sched.stats.prefill_tokens
                 step = sched.schedule()
                 if step is None:
                     break
                 self.runner.submit(step.batch)
-                in_flight.append(step)
+                in_flight.append((step, sched.stats.prefill_tokens > prompt_before))
             if not in_flight:
                 if not sched.preempt():
                     yield from self._fail_unschedulable(sched)
                 continue
-            self._complete(sched, in_flight.pop(0), done)
+            step, prefill = in_flight.pop(0)
+            self._complete(sched, step, done)
+            now = time.monotonic()
+            if prefill:
+                self.stats.prefill_seconds += now - last
+            else:
+                self.stats.decode_seconds += now - last
+                self.stats.decode_step_tokens += len(step.sampled)
+            last = now
             yield from done
             done.clear()
             self._update_stats(sched, started)

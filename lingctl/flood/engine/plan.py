@@ -118,14 +118,19 @@ def activation_bytes(
 
 
 def check_weights_fit(
-    config: LingConfig, *, dtype: torch.dtype, quantize: str | None, available_bytes: int | None = None
+    config: LingConfig,
+    *,
+    dtype: torch.dtype,
+    quantize: str | None,
+    available_bytes: int | None = None,
+    converted: bool = False,
 ) -> None:
     """The part of the plan that needs no requests: refuse at once, before any file is opened for output or
     any weight byte is read, a model whose weights and load buffers alone exceed the available memory."""
     if available_bytes is None:
         available_bytes = psutil.virtual_memory().available
     weights = weights_bytes(config, dtype, quantize)
-    loader = temp_bytes(config, dtype, quantize)
+    loader = temp_bytes(config, dtype, quantize, converted=converted)
     if weights + loader > available_bytes:
         raise _too_big(weights, loader, dtype, quantize, available_bytes)
 
@@ -171,6 +176,7 @@ def plan_memory(
     dtype: torch.dtype,
     quantize: str | None,
     kv_cache_tokens: int | None,
+    converted: bool = False,
     max_batch_tokens: int,
     max_seqs: int,
     batch_kv_tokens: int,
@@ -188,7 +194,7 @@ def plan_memory(
         runtime_bytes = psutil.Process().memory_info().rss + RUNTIME_GROWTH
     per_token = KVPool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
     weights = weights_bytes(config, dtype, quantize)
-    loader = temp_bytes(config, dtype, quantize)
+    loader = temp_bytes(config, dtype, quantize, converted=converted)
     engine = engine_bytes(config, dtype, quantize)
     acts = activation_bytes(config, max(MIN_ROWS, max_batch_tokens), max(MIN_ROWS, max_seqs), dtype, quantize)
     # The runtime is already resident, so it is not part of what must still be available.

@@ -44,8 +44,11 @@ class StopRequested(Exception):
     """``should_stop`` said so: raised after a whole step, or after the caller took a result."""
 
 
-def plan_requests(model_config: Any, requests: list[GenRequest], opts: EngineOptions, dtype: torch.dtype) -> MemoryPlan:
-    """The memory plan for running ``requests`` (see ``plan_memory``), from the config alone."""
+def plan_requests(
+    model_config: Any, requests: list[GenRequest], opts: EngineOptions, dtype: torch.dtype, *, converted: bool = False
+) -> MemoryPlan:
+    """The memory plan for running ``requests`` (see ``plan_memory``), from the config alone (``converted``: the
+    checkpoint is ``flood quantize``'s, loaded without conversion temporaries)."""
     limit = model_config.max_position_embeddings
     prompts = [r.prompt_ids for r in requests]
     prompt_tokens = sum(len(p) for p in prompts)
@@ -59,6 +62,7 @@ def plan_requests(model_config: Any, requests: list[GenRequest], opts: EngineOpt
         model_config,
         dtype=dtype,
         quantize=opts.quantize,
+        converted=converted,
         kv_cache_tokens=opts.kv_cache_tokens,
         # A step never holds more than the work has: every prompt token plus one decode token per request.
         max_batch_tokens=min(opts.max_batch_tokens, prompt_tokens + len(requests)),

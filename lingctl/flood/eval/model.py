@@ -69,7 +69,8 @@ class _Pending:
 
 def open_model(spec: Path, dtype: str, quantize: str | None = None) -> tuple[ModelDir, TextCodec]:
     md = ModelDir.open(spec)
-    check_weights_fit(md.config, dtype=parse_dtype(dtype), quantize=quantize)
+    quantize = md.serving_quantize(quantize, dtype)
+    check_weights_fit(md.config, dtype=parse_dtype(dtype), quantize=quantize, converted=md.converted is not None)
     md.check_weights()
     codec = TextCodec.for_model(md.path, chat_template=None, special_tokens=md.special_tokens())
     if codec.tokenizer is None:
@@ -176,7 +177,7 @@ class ModelEvaluation:
         if not self._requests:
             return
         dtype = parse_dtype(self.opts.dtype)
-        plan = plan_requests(self.md.config, self._requests, self.opts, dtype)
+        plan = plan_requests(self.md.config, self._requests, self.opts, dtype, converted=self.md.converted is not None)
         session = EngineSession(self.md, self.opts, plan, dtype=dtype, stop_check=self.codec.stop_check)
         started = time.monotonic()
         try:

@@ -14,6 +14,7 @@ continues where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -153,6 +154,11 @@ def evaluate_one(
 ) -> ModelResult:
     """One model's evaluation into ``out`` (reused when already there with the same settings)."""
     md, codec = open_model(model_dir, opts.engine.dtype, opts.engine.quantize)
+    # A converted checkpoint decides --quantize (the manifest, the plan and the threads then see it).
+    opts = dataclasses.replace(
+        opts,
+        engine=dataclasses.replace(opts.engine, quantize=md.serving_quantize(opts.engine.quantize, opts.engine.dtype)),
+    )
     to_stdout = str(out) == STDOUT
     result = ModelResult(model=label, out="stdout" if to_stdout else str(out), step=step, tokens=tokens)
     files = None if to_stdout else _results_file(md, tasks, opts, Path(out))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lingctl.core.errors import LingctlError, NotFoundError
+from lingctl.flood.weights.converted import ConvertedForm
 from lingctl.flood.weights.loader import LoadStats, load_streaming
 from lingctl.model.checkpoint import load_config, weight_files
 from lingctl.model.checkpoint_files import (
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 class ModelDir:
     path: Path
     config: LingConfig
+    converted: ConvertedForm | None = None  # a checkpoint `flood quantize` wrote: int8 already, for one dtype
 
     @staticmethod
     def open(path: Path) -> ModelDir:
@@ -51,7 +53,14 @@ class ModelDir:
             raise LingctlError(f"--model must be a checkpoint directory, got a file: {path}")
         if not (path / CONFIG).exists():
             raise NotFoundError(f"no {CONFIG} in {path}", hint="point --model at a checkpoint directory")
-        return ModelDir(path=path, config=load_config(path))
+        return ModelDir(path=path, config=load_config(path), converted=ConvertedForm.of_directory(path))
+
+    def serving_quantize(self, quantize: str | None, dtype: str) -> str | None:
+        """The --quantize a run of this directory uses: the given one, or for a converted checkpoint the one it
+        was converted for (a UsageError when the run asks for another, or for another dtype)."""
+        if self.converted is None:
+            return quantize
+        return self.converted.serving_quantize(quantize, dtype, self.path)
 
     # -- side files -------------------------------------------------------------------------------
     def _json(self, name: str) -> dict[str, Any]:
@@ -141,7 +150,13 @@ class ModelDir:
         """``load`` and what it read: the weights are streamed from the files into their final form (int8
         rows and scales, or the serving dtype), each file read once (see ``lingctl.flood.weights.loader``)."""
         model, stats = load_streaming(
-            self.path, self.config, weight_files(self.path), dtype=dtype, quantize=quantize, layers=layers
+            self.path,
+            self.config,
+            weight_files(self.path),
+            dtype=dtype,
+            quantize=quantize,
+            layers=layers,
+            converted=self.converted is not None,
         )
         log.info(
             "loaded %d tensors (%.2f GB read) from %d file(s) in %.1f s",

@@ -1,0 +1,263 @@
+"""flood's int8 serving form on disk: ``lingctl flood quantize SRC DST`` converts a checkpoint once, and every
+later ``flood run``/``flood eval`` of DST loads it by plain sequential reads, without converting anything.
+
+Why a directory the user names rather than a cache lingctl fills on its own: the converted form of Ling-lite is
+17 GB, a cost a user should see and place (a fast local disk, the node-local scratch of a cluster job) and can
+copy to other machines, as llama.cpp users keep their GGUF files; and lingctl never writes inside the user's
+checkpoint. The form is tied to what it was made for: ``--quantize`` (int8 or w8a8) and ``--dtype`` (the dtype of
+the scales and of every float tensor); a run asking for something else is refused in one line.
+
+Layout: a Hugging Face style directory (``config.json``, safetensors shards of at most ``SHARD_BYTES`` with
+``model.safetensors.index.json``, and the source's tokenizer, chat template and generation config). Each int8
+linear is stored as ``NAME.weight`` (int8, one row per output) and ``NAME.weight_scale`` (one scale per row),
+the tensors flood serves, bit for bit; NormHead is already folded into the head (``norm_head`` is false in
+config.json) and ``quantization_config`` says what the form is. transformers cannot load it; it is flood's.
+
+An interrupted conversion leaves DST with a marker file: the next run of the same command redoes it in place
+(it is one load and one write). Only a new or empty directory gets a marker, so everything beside it is
+lingctl's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lingctl.core.atomic import atomic_write, fsync_dir
+from lingctl.core.errors import LingctlError, UsageError
+from lingctl.model.checkpoint_files import (
+    CHAT_TEMPLATE,
+    CONFIG,
+    GENERATION_CONFIG,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    WEIGHTS_INDEX,
+)
+from lingctl.model.config import LingConfig
+from lingctl.model.safetensors_io import DEFAULT_METADATA, dtype_name
+
+QUANT_METHOD = "lingctl-int8"
+SCALE_SUFFIX = ".weight_scale"
+MARKER = ".lingctl-quantize-incomplete"  # present while a conversion into the directory is unfinished
+SHARD_BYTES = 4 * 2**30
+WRITE_ROWS_BYTES = 64 * 2**20  # a non-contiguous tensor (the input-major float head) is written in row chunks
+SIDE_FILES = (TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE, GENERATION_CONFIG)
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertedForm:
+    """What a converted directory holds: ``mode`` (int8 or w8a8) for ``dtype`` activations, made from the
+    checkpoint whose fingerprint is ``source``."""
+
+    mode: str
+    dtype: str
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, "mode": self.mode, "dtype": self.dtype, "source_fingerprint": self.source}
+
+    @staticmethod
+    def of_directory(path: Path) -> ConvertedForm | None:
+        """The form ``path/config.json`` declares, or None for an ordinary checkpoint."""
+        try:
+            data = json.loads((Path(path) / CONFIG).read_text())
+        except (OSError, ValueError):
+            return None  # the config is read and reported properly elsewhere
+        q = data.get("quantization_config") if isinstance(data, dict) else None
+        if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
+            return None
+        mode, dtype, source = q.get("mode"), q.get("dtype"), q.get("source_fingerprint", "")
+        if mode not in ("int8", "w8a8") or dtype not in ("float32", "bfloat16", "float16"):
+            raise LingctlError(f"{path / CONFIG}: quantization_config names mode {mode!r}, dtype {dtype!r}")
+        return ConvertedForm(mode=mode, dtype=dtype, source=str(source))
+
+    def serving_quantize(self, quantize: str | None, dtype: str, where: Path) -> str:
+        """The ``--quantize`` a run of this directory uses; a UsageError when the run asks for another."""
+        if quantize not in (None, self.mode) or dtype != self.dtype:
+            raise UsageError(
+                f"{where} was converted for --quantize {self.mode} --dtype {self.dtype}; "
+                f"this run asks for --quantize {quantize or 'none'} --dtype {dtype}",
+                hint=f"run with --quantize {self.mode} --dtype {self.dtype}, or convert the original checkpoint again",
+            )
+        return self.mode
+
+
+@dataclass(kw_only=True, slots=True)
+class ConvertReport:
+    source: str
+    out: str
+    mode: str
+    dtype: str
+    files: int
+    tensors: int
+    bytes_written: int
+    load_seconds: float
+    write_seconds: float
+    reused: bool = False  # DST already held this conversion: nothing done
+
+
+def check_destination(dst: Path, form: ConvertedForm) -> bool:
+    """True when ``dst`` already holds exactly this conversion (nothing to do). A UsageError when it holds
+    anything lingctl did not start writing there; an unfinished conversion (the marker) may be redone."""
+    if not dst.exists():
+        return False
+    if not dst.is_dir():
+        raise UsageError(f"{dst} exists and is not a directory", hint="name a new directory")
+    if (dst / MARKER).exists():
+        return False
+    existing = ConvertedForm.of_directory(dst)
+    if existing == form:
+        return True
+    if any(dst.iterdir()):
+        raise UsageError(
+            f"{dst} is not empty; lingctl writes a conversion only into a new or empty directory",
+            hint="name a new directory",
+        )
+    return False
+
+
+def serving_tensors(model: nn.Module, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a loaded model serves, under their checkpoint names (``names``: the float model's), each
+    ``Int8Linear`` as its int8 rows and their scales. A tensor held twice (a tied head) is written once."""
+    from lingctl.flood.weights.quantize import Int8Linear
+
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, Int8Linear):
+            own = [("weight", module.weight_q), ("weight_scale", module.scale), ("bias", module.bias)]
+        else:
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for attr, t in own:
+            name = f"{prefix}{attr}"
+            if t is None or id(t) in seen or not (isinstance(module, Int8Linear) or name in names):
+                continue
+            seen.add(id(t))
+            yield name, t
+
+
+def plan_shards(tensors: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Tensors in model order, cut into shards of at most ``shard_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    return [s for s in shards if s]
+
+
+def write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """One safetensors file, streamed tensor by tensor (row chunks for a non-contiguous one); the bytes written.
+    Its pages are dropped from the page cache once on disk: a 17 GB conversion should not evict everything else."""
+    header: dict[str, Any] = {"__metadata__": dict(DEFAULT_METADATA)}
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with atomic_write(path) as (_, f):
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in tensors:
+            for piece in _pieces(t):
+                f.write(piece.view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return 8 + len(raw) + offset
+
+
+def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    if t.is_contiguous():
+        if t.numel():
+            yield t.reshape(-1)
+        return
+    rows = max(1, WRITE_ROWS_BYTES // max(1, t[0].numel() * t.element_size()))
+    for r0 in range(0, t.shape[0], rows):
+        yield t[r0 : r0 + rows].contiguous().reshape(-1)
+
+
+def converted_config(config: LingConfig, form: ConvertedForm) -> dict[str, Any]:
+    data = config.to_hf_dict()
+    data["norm_head"] = False  # folded into the head's rows
+    data["torch_dtype"] = form.dtype
+    data["quantization_config"] = form.to_json()
+    return data
+
+
+def convert(
+    src: Any,
+    dst: Path,
+    *,
+    mode: str,
+    dtype: str,
+    on_phase: Callable[[str], None] | None = None,
+    shard_bytes: int = SHARD_BYTES,
+) -> ConvertReport:
+    """Convert the checkpoint of ``src`` (a ``ModelDir``) into ``dst``: load it as ``flood run --quantize MODE
+    --dtype DTYPE`` would, then write what was loaded. Peak memory is that of serving the model."""
+    from lingctl.model.checkpoint import model_state, parse_dtype
+    from lingctl.model.ling import LingForCausalLM
+
+    if src.converted is not None:
+        raise UsageError(f"{src.path} is already a converted checkpoint", hint="convert the original checkpoint")
+    form = ConvertedForm(mode=mode, dtype=dtype, source=src.fingerprint())
+    report = ConvertReport(
+        source=str(src.path), out=str(dst), mode=mode, dtype=dtype, files=0, tensors=0, bytes_written=0,
+        load_seconds=0.0, write_seconds=0.0,
+    )  # fmt: skip
+    if check_destination(dst, form):
+        report.reused = True
+        return report
+    from lingctl.flood.engine.plan import check_weights_fit
+
+    check_weights_fit(src.config, dtype=parse_dtype(dtype), quantize=mode)  # before anything is written
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / MARKER).write_text(json.dumps({"source": str(src.path), "mode": mode, "dtype": dtype}) + "\n")
+    fsync_dir(dst)
+    if on_phase is not None:
+        on_phase(f"loading {src.path} ({mode}, {dtype})")
+    model, stats = src.load_with_stats(dtype=parse_dtype(dtype), quantize=mode)
+    report.load_seconds = stats.seconds
+    with torch.device("meta"):
+        names = set(model_state(LingForCausalLM(src.config)))
+    tensors = list(serving_tensors(model, names))
+    shards = plan_shards(tensors, shard_bytes)
+    started = time.monotonic()
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        if on_phase is not None:
+            on_phase(f"writing {file} ({len(shard)} tensors)")
+        report.bytes_written += write_shard(dst / file, shard)
+        weight_map.update({name: file for name, _ in shard})
+    index = {"metadata": {"total_size": report.bytes_written}, "weight_map": weight_map}
+    with atomic_write(dst / WEIGHTS_INDEX) as (_, f):
+        f.write((json.dumps(index, indent=2) + "\n").encode())
+    for side in SIDE_FILES:
+        if (src.path / side).is_file():
+            with atomic_write(dst / side) as (_, f), open(src.path / side, "rb") as g:
+                shutil.copyfileobj(g, f)
+    with atomic_write(dst / CONFIG) as (_, f):  # last: with the marker gone, it says the conversion is whole
+        f.write((json.dumps(converted_config(src.config, form), indent=2) + "\n").encode())
+    (dst / MARKER).unlink()
+    fsync_dir(dst)
+    report.write_seconds = time.monotonic() - started
+    report.files, report.tensors = len(shards), len(tensors)
+    return report
