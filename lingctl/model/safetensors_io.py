@@ -207,54 +207,84 @@ class StreamReader:
         self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
 
     def pieces(self, entries: Iterable[TensorEntry]) -> Iterator[Piece]:
-        """``entries`` (from ``read_entries``, in file order) piece by piece."""
-        plan: list[tuple[TensorEntry, int, int]] = []
+        """``entries`` (from ``read_entries``, in file order) piece by piece. Pieces that follow each other in
+        the file are read together, up to a buffer at a time: a checkpoint of thousands of few-MB tensors (one
+        per expert) read one tensor per call left the disk idle between calls (the load took 1.9x a cold read
+        of the files; measured on Ling-lite)."""
+        segments: list[_Segment] = []
         for e in entries:
             per = max(1, self.chunk_bytes // e.row_bytes) if e.row_bytes else 1
             n = e.shape[0] if len(e.shape) >= 1 else 1
             n = max(n, 1) if e.nbytes else 0
             for r in range(0, n, per):
-                plan.append((e, r, min(per, n - r)))
-        if not plan:
+                segments.append(_Segment(e, r, min(per, n - r)))
+        reads: list[list[_Segment]] = []
+        size = end = 0
+        for seg in segments:
+            # (a piece starts at a multiple of its element size within the buffer, so it can be viewed as its dtype)
+            aligned = size % seg.entry.dtype.itemsize == 0
+            if reads and seg.offset == end and aligned and size + seg.nbytes <= self.chunk_bytes:
+                reads[-1].append(seg)
+                size += seg.nbytes
+            else:
+                reads.append([seg])
+                size = seg.nbytes
+            end = seg.offset + seg.nbytes
+        if not reads:
             return
         fd = os.open(self.path, os.O_RDONLY)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-read")
         try:
             _advise(fd, os.POSIX_FADV_SEQUENTIAL if hasattr(os, "POSIX_FADV_SEQUENTIAL") else None)
-            pending = pool.submit(self._read, fd, plan[0], 0)
-            for i, (entry, row, rows) in enumerate(plan):
+            pending = pool.submit(self._read, fd, reads[0], 0)
+            for i, read in enumerate(reads):
                 data = pending.result()
-                if i + 1 < len(plan):
-                    pending = pool.submit(self._read, fd, plan[i + 1], (i + 1) % 2)
-                yield Piece(entry=entry, row=row, rows=rows, data=data)
-                # The caller has converted this piece: its pages are of no further use.
-                _advise(
-                    fd,
-                    getattr(os, "POSIX_FADV_DONTNEED", None),
-                    entry.begin + row * entry.row_bytes,
-                    rows * entry.row_bytes,
-                )
+                if i + 1 < len(reads):
+                    pending = pool.submit(self._read, fd, reads[i + 1], (i + 1) % 2)
+                at = 0
+                for seg in read:
+                    yield Piece(entry=seg.entry, row=seg.row, rows=seg.rows, data=data[at : at + seg.nbytes])
+                    at += seg.nbytes
+                # The caller has converted these pieces: their pages are of no further use.
+                _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", None), read[0].offset, at)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             os.close(fd)
 
-    def _read(self, fd: int, item: tuple[TensorEntry, int, int], slot: int) -> torch.Tensor:
-        entry, row, rows = item
-        n = rows * entry.row_bytes
+    def _read(self, fd: int, read: list[_Segment], slot: int) -> torch.Tensor:
+        n = sum(seg.nbytes for seg in read)
         if n > self._buffers[slot].numel():  # one row wider than the buffer: grow this one
             self._buffers[slot] = torch.empty(n, dtype=torch.uint8)
         out = self._buffers[slot][:n]
         view = out.numpy().data.cast("B")
-        offset, done = entry.begin + row * entry.row_bytes, 0
+        offset, done = read[0].offset, 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
                 raise LingctlError(
-                    f"{self.path}: truncated while reading tensor {entry.name} (the file changed while it was read?)"
+                    f"{self.path}: truncated while reading tensor {read[0].entry.name} "
+                    "(the file changed while it was read?)"
                 )
             done += got
         self.bytes_read += n
         return out
+
+
+@dataclass(slots=True)
+class _Segment:
+    """Rows ``[row, row + rows)`` of ``entry``: one piece."""
+
+    entry: TensorEntry
+    row: int
+    rows: int
+
+    @property
+    def offset(self) -> int:
+        return self.entry.begin + self.row * self.entry.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.entry.row_bytes
 
 
 def read_into(path: Path, items: list[tuple[TensorEntry, torch.Tensor]], batch_bytes: int = 64 * 2**20) -> int:
