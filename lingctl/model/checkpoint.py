@@ -164,6 +164,21 @@ def _tensors_by_file(files: dict[str, Path]) -> list[tuple[Path, list[str]]]:
     return sorted(by_file.items())
 
 
+def _refuse_quantized(directory: Path) -> None:
+    """A quantized checkpoint (``flood quantize`` writes one) holds int8 weights for inference only."""
+    try:
+        data = json.loads((directory / CONFIG).read_text())
+    except (OSError, ValueError):
+        return  # load_config has read it already; nothing more to say here
+    q = data.get("quantization_config") if isinstance(data, dict) else None
+    method = q.get("quant_method", "unnamed") if isinstance(q, dict) else None
+    if method:
+        raise LingctlError(
+            f"{directory} is a quantized checkpoint ({method}), for inference only",
+            hint="use the original checkpoint it was made from",
+        )
+
+
 def load_checkpoint(
     directory: Path,
     *,
@@ -175,6 +190,7 @@ def load_checkpoint(
     or unexpected tensor is an error naming it)."""
     directory = Path(directory)
     config = load_config(directory)
+    _refuse_quantized(directory)
     files = weight_files(directory)
     with torch.device("meta"):
         model = LingForCausalLM(config, dispatch)

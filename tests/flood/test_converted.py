@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingctl.core.errors import UsageError
+from lingctl.core.errors import LingctlError, UsageError
 from lingctl.flood.engine.experts import stack_of
 from lingctl.flood.engine.plan import plan_memory
 from lingctl.flood.weights.converted import MARKER, ConvertedForm, convert
 from lingctl.flood.weights.loader import CHUNK_BYTES
 from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.model.checkpoint import load_checkpoint
 from lingctl.model.safetensors_io import read_entries
 from tests.conftest import run_lingctl
 from tests.flood.test_loader import assert_same_bits, tiny_ckpt_of
@@ -85,6 +86,11 @@ def test_the_plan_of_a_converted_checkpoint_has_no_conversion_temporaries(conver
     conv = plan_memory(md.config, converted=True, **kwargs)  # type: ignore[arg-type]
     assert conv.loader_bytes == 2 * CHUNK_BYTES < plain.loader_bytes
     assert conv.weights_bytes == plain.weights_bytes
+
+
+def test_training_tools_refuse_a_converted_checkpoint_in_one_line(converted) -> None:
+    with pytest.raises(LingctlError, match="quantized checkpoint .*lingctl-int8.*for inference only"):
+        load_checkpoint(converted[("bf16", "int8", "float32")])
 
 
 def test_a_run_must_ask_for_what_the_checkpoint_was_converted_for(converted) -> None:
