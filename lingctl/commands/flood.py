@@ -187,7 +187,7 @@ def quantize(
     from lingctl.model.hub import resolve_model_dir
 
     out = Output(json)
-    md = ModelDir.open(resolve_model_dir(src, option="SRC"))
+    md = ModelDir.open(resolve_model_dir(src, option="SRC"), option="SRC")
     report = convert(md, dst, mode=mode, dtype=dtype, on_phase=out.info)
     if report.reused:
         human = f"{dst} already holds this conversion of {md.path}; nothing to do"

@@ -158,3 +158,11 @@ def test_an_unfinished_conversion_is_redone_and_a_foreign_directory_is_left_alon
     with pytest.raises(UsageError, match="not empty"):
         convert(ModelDir.open(tiny_ckpt), foreign, mode="int8", dtype="float32")
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def test_a_destination_that_cannot_be_created_is_one_line(tiny_ckpt, tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    r = run_lingctl("flood", "quantize", str(tiny_ckpt), str(tmp_path / "file" / "q"))
+    assert r.returncode != 0 and r.returncode != 1, r.stderr  # a usage or path error, not an internal one
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2 and (tmp_path / "file").read_text() == "x"

@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lingctl.core.atomic import atomic_write, fsync_dir
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError, UsageError, os_error
 from lingctl.model.checkpoint_files import (
     CHAT_TEMPLATE,
     CONFIG,
@@ -45,6 +45,9 @@ from lingctl.model.checkpoint_files import (
 )
 from lingctl.model.config import LingConfig
 from lingctl.model.safetensors_io import DEFAULT_METADATA, dtype_name
+
+if TYPE_CHECKING:
+    from lingctl.flood.weights.model_dir import ModelDir
 
 QUANT_METHOD = "lingctl-int8"
 SCALE_SUFFIX = ".weight_scale"
@@ -202,7 +205,7 @@ def converted_config(config: LingConfig, form: ConvertedForm) -> dict[str, Any]:
 
 
 def convert(
-    src: Any,
+    src: ModelDir,
     dst: Path,
     *,
     mode: str,
@@ -210,10 +213,10 @@ def convert(
     on_phase: Callable[[str], None] | None = None,
     shard_bytes: int = SHARD_BYTES,
 ) -> ConvertReport:
-    """Convert the checkpoint of ``src`` (a ``ModelDir``) into ``dst``: load it as ``flood run --quantize MODE
-    --dtype DTYPE`` would, then write what was loaded. Peak memory is that of serving the model."""
-    from lingctl.model.checkpoint import model_state, parse_dtype
-    from lingctl.model.ling import LingForCausalLM
+    """Convert the checkpoint of ``src`` into ``dst``: load it as ``flood run --quantize MODE --dtype DTYPE``
+    would, then write what was loaded. Peak memory is that of serving the model."""
+    from lingctl.flood.engine.plan import check_weights_fit
+    from lingctl.model.checkpoint import parse_dtype
 
     if src.converted is not None:
         raise UsageError(f"{src.path} is already a converted checkpoint", hint="convert the original checkpoint")
@@ -225,21 +228,40 @@ def convert(
     if check_destination(dst, form):
         report.reused = True
         return report
-    from lingctl.flood.engine.plan import check_weights_fit
-
     check_weights_fit(src.config, dtype=parse_dtype(dtype), quantize=mode)  # before anything is written
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / MARKER).write_text(json.dumps({"source": str(src.path), "mode": mode, "dtype": dtype}) + "\n")
-    fsync_dir(dst)
-    if on_phase is not None:
-        on_phase(f"loading {src.path} ({mode}, {dtype})")
-    model, stats = src.load_with_stats(dtype=parse_dtype(dtype), quantize=mode)
-    report.load_seconds = stats.seconds
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / MARKER).write_text(json.dumps({"source": str(src.path), "mode": mode, "dtype": dtype}) + "\n")
+        fsync_dir(dst)
+        if on_phase is not None:
+            on_phase(f"loading {src.path} ({mode}, {dtype})")
+        model, stats = src.load_with_stats(dtype=parse_dtype(dtype), quantize=mode)
+        report.load_seconds = stats.seconds
+        started = time.monotonic()
+        _write(model, src, dst, form, report, on_phase, shard_bytes)
+        report.write_seconds = time.monotonic() - started
+    except OSError as exc:  # a full disk, a directory that cannot be created: one line; the marker stays
+        raise os_error(exc, str(dst)) from None
+    return report
+
+
+def _write(
+    model: nn.Module,
+    src: ModelDir,
+    dst: Path,
+    form: ConvertedForm,
+    report: ConvertReport,
+    on_phase: Callable[[str], None] | None,
+    shard_bytes: int,
+) -> None:
+    """The loaded ``model`` into ``dst``: shards, index, side files, then config.json; the marker goes last."""
+    from lingctl.model.checkpoint import model_state
+    from lingctl.model.ling import LingForCausalLM
+
     with torch.device("meta"):
         names = set(model_state(LingForCausalLM(src.config)))
     tensors = list(serving_tensors(model, names))
     shards = plan_shards(tensors, shard_bytes)
-    started = time.monotonic()
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -258,6 +280,4 @@ def convert(
         f.write((json.dumps(converted_config(src.config, form), indent=2) + "\n").encode())
     (dst / MARKER).unlink()
     fsync_dir(dst)
-    report.write_seconds = time.monotonic() - started
     report.files, report.tensors = len(shards), len(tensors)
-    return report

@@ -45,14 +45,14 @@ class ModelDir:
     converted: ConvertedForm | None = None  # a checkpoint `flood quantize` wrote: int8 already, for one dtype
 
     @staticmethod
-    def open(path: Path) -> ModelDir:
+    def open(path: Path, *, option: str = "--model") -> ModelDir:
         path = Path(path)
         if not path.exists():
             raise NotFoundError(f"model directory {path} does not exist")
         if not path.is_dir():
-            raise LingctlError(f"--model must be a checkpoint directory, got a file: {path}")
+            raise LingctlError(f"{option} must be a checkpoint directory, got a file: {path}")
         if not (path / CONFIG).exists():
-            raise NotFoundError(f"no {CONFIG} in {path}", hint="point --model at a checkpoint directory")
+            raise NotFoundError(f"no {CONFIG} in {path}", hint=f"point {option} at a checkpoint directory")
         return ModelDir(path=path, config=load_config(path), converted=ConvertedForm.of_directory(path))
 
     def serving_quantize(self, quantize: str | None, dtype: str) -> str | None:
