@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -44,6 +43,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from flood_real_size import evict, plain_read  # noqa: E402
+
 from lingctl.model.config import LingConfig  # noqa: E402
 
 LLAMA_BIN = ROOT / ".bench/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
@@ -52,30 +54,6 @@ GOAL_B32 = 0.5  # the same at 32 requests
 GOAL_BOUND = 0.5  # batch-1 decode / the bandwidth bound
 GOAL_SECOND_LOAD = 1.2  # load of the converted form / cold read of its bytes
 GOAL_FIRST_LOAD = 1.5  # load from the original / cold read of the original
-
-
-def evict(files: list[Path]) -> None:
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cold_read(files: list[Path]) -> tuple[float, int]:
-    evict(files)
-    view = memoryview(bytearray(64 << 20))
-    total = 0
-    t = time.monotonic()
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    seconds = time.monotonic() - t
-    evict(files)
-    return seconds, total
 
 
 def read_bandwidth(threads: int) -> float:
@@ -222,11 +200,11 @@ def main() -> None:
     bw1, bwn = read_bandwidth(1), read_bandwidth(args.threads)
     per_token = active_int8_bytes(config)
     res["bandwidth"] = {"one_thread": bw1, "threads": bwn, "bytes_per_token": per_token, "bound_tok_s": bwn / per_token}
-    res["cold_read_s"], res["cold_read_bytes"] = cold_read(files)
+    res["cold_read_s"], res["cold_read_bytes"] = plain_read(files)
     res["flood"] = [flood_run(args.converted, b, args.prompt, args.new, args.threads, [], files) for b in batches]
     if args.original is not None:
         ofiles = sorted(args.original.glob("*.safetensors"))
-        res["original_cold_read_s"], _ = cold_read(ofiles)
+        res["original_cold_read_s"], _ = plain_read(ofiles)
         first = flood_run(args.original, 1, args.prompt, 2, args.threads, ["--quantize", "w8a8"], ofiles)
         res["first_load_s"] = first["load_s"]
     if args.eval_items:

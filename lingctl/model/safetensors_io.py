@@ -41,16 +41,14 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 DEFAULT_METADATA = {"format": "pt"}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The safetensors name of ``dtype`` ("BF16", "I8", ...)."""
-    if dtype not in _NAMES:
-        raise LingctlError(f"safetensors cannot store dtype {dtype}")
-    return _NAMES[dtype]
+WRITE_PIECE_BYTES = 64 * 2**20  # a non-contiguous tensor is written in row pieces of about this size
 
 
 def write_safetensors(
     f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> None:
+) -> int:
+    """Write ``tensors`` (by name) to ``f``; the bytes written. A non-contiguous tensor (a transposed view) goes
+    out in row pieces, never as one contiguous copy of the whole tensor."""
     header: dict[str, object] = {"__metadata__": dict(metadata or DEFAULT_METADATA)}
     offset = 0
     items: list[tuple[str, torch.Tensor]] = []
@@ -67,9 +65,20 @@ def write_safetensors(
     f.write(struct.pack("<Q", len(raw)))
     f.write(raw)
     for _, t in items:
-        data = t.detach().to("cpu").contiguous().reshape(-1)
-        if data.numel():
-            f.write(data.view(torch.uint8).numpy().data)
+        for piece in _pieces(t.detach().to("cpu")):
+            f.write(piece.view(torch.uint8).numpy().data)
+    return 8 + len(raw) + offset
+
+
+def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    if not t.numel():
+        return
+    if t.is_contiguous() or t.dim() == 0:
+        yield t.contiguous().reshape(-1)
+        return
+    rows = max(1, WRITE_PIECE_BYTES // max(1, t[0].numel() * t.element_size()))
+    for r0 in range(0, t.shape[0], rows):
+        yield t[r0 : r0 + rows].contiguous().reshape(-1)
 
 
 def read_header(path: Path) -> tuple[int, dict[str, dict]]:
@@ -256,16 +265,7 @@ class StreamReader:
         if n > self._buffers[slot].numel():  # one row wider than the buffer: grow this one
             self._buffers[slot] = torch.empty(n, dtype=torch.uint8)
         out = self._buffers[slot][:n]
-        view = out.numpy().data.cast("B")
-        offset, done = read[0].offset, 0
-        while done < n:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise LingctlError(
-                    f"{self.path}: truncated while reading tensor {read[0].entry.name} "
-                    "(the file changed while it was read?)"
-                )
-            done += got
+        _preadv_all(fd, self.path, [out.numpy().data.cast("B")], read[0].offset, n, f"tensor {read[0].entry.name}")
         self.bytes_read += n
         return out
 
@@ -308,19 +308,20 @@ def read_into(path: Path, items: list[tuple[TensorEntry, torch.Tensor]], batch_b
                     views.append(home.numpy().data.cast("B"))
                 end += entry.nbytes
                 i += 1
-            total += _preadv_all(fd, path, views, start, end - start)
+            total += _preadv_all(fd, path, views, start, end - start, f"tensor {items[i - 1][0].name}")
             _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", None), start, end - start)
     finally:
         os.close(fd)
     return total
 
 
-def _preadv_all(fd: int, path: Path, views: list[memoryview], offset: int, n: int) -> int:
+def _preadv_all(fd: int, path: Path, views: list[memoryview], offset: int, n: int, what: str) -> int:
+    """``n`` bytes from ``offset`` into ``views``, through short reads; a LingctlError naming ``what`` at EOF."""
     done = 0
     while done < n:
         got = os.preadv(fd, _skip(views, done), offset + done)
         if got <= 0:
-            raise LingctlError(f"{path}: truncated while reading (the file changed while it was read?)")
+            raise LingctlError(f"{path}: truncated while reading {what} (the file changed while it was read?)")
         done += got
     return done
 

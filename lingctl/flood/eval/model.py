@@ -16,6 +16,7 @@ an evaluation are the same bits at any ``--max-batch-tokens``, with or without p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -67,10 +68,13 @@ class _Pending:
     truncated: bool = False
 
 
-def open_model(spec: Path, dtype: str, quantize: str | None = None) -> tuple[ModelDir, TextCodec]:
+def open_model(spec: Path, engine: EngineOptions) -> tuple[ModelDir, TextCodec, EngineOptions]:
+    """The model, its text codec, and ``engine`` with the --quantize it will run with (a converted checkpoint
+    decides it: the manifest, the plan and the threads then see it)."""
     md = ModelDir.open(spec)
-    quantize = md.serving_quantize(quantize, dtype)
-    check_weights_fit(md.config, dtype=parse_dtype(dtype), quantize=quantize, converted=md.converted is not None)
+    engine = dataclasses.replace(engine, quantize=md.serving_quantize(engine.quantize, engine.dtype))
+    converted = md.converted is not None
+    check_weights_fit(md.config, dtype=parse_dtype(engine.dtype), quantize=engine.quantize, converted=converted)
     md.check_weights()
     codec = TextCodec.for_model(md.path, chat_template=None, special_tokens=md.special_tokens())
     if codec.tokenizer is None:
@@ -78,7 +82,7 @@ def open_model(spec: Path, dtype: str, quantize: str | None = None) -> tuple[Mod
             f"{md.path} has no tokenizer.json, and evaluation tasks are text",
             hint="evaluate a checkpoint that carries its tokenizer",
         )
-    return md, codec
+    return md, codec, engine
 
 
 class ModelEvaluation:

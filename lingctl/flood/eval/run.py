@@ -153,12 +153,8 @@ def evaluate_one(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> ModelResult:
     """One model's evaluation into ``out`` (reused when already there with the same settings)."""
-    md, codec = open_model(model_dir, opts.engine.dtype, opts.engine.quantize)
-    # A converted checkpoint decides --quantize (the manifest, the plan and the threads then see it).
-    opts = dataclasses.replace(
-        opts,
-        engine=dataclasses.replace(opts.engine, quantize=md.serving_quantize(opts.engine.quantize, opts.engine.dtype)),
-    )
+    md, codec, engine = open_model(model_dir, opts.engine)
+    opts = dataclasses.replace(opts, engine=engine)
     to_stdout = str(out) == STDOUT
     result = ModelResult(model=label, out="stdout" if to_stdout else str(out), step=step, tokens=tokens)
     files = None if to_stdout else _results_file(md, tasks, opts, Path(out))

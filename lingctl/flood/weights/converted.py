@@ -44,7 +44,8 @@ from lingctl.model.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from lingctl.model.config import LingConfig
-from lingctl.model.safetensors_io import DEFAULT_METADATA, dtype_name
+from lingctl.model.hf_files import index_json, plan_shards, shard_names, tensor_bytes
+from lingctl.model.safetensors_io import write_safetensors
 
 if TYPE_CHECKING:
     from lingctl.flood.weights.model_dir import ModelDir
@@ -53,7 +54,6 @@ QUANT_METHOD = "lingctl-int8"
 SCALE_SUFFIX = ".weight_scale"
 MARKER = ".lingctl-quantize-incomplete"  # present while a conversion into the directory is unfinished
 SHARD_BYTES = 4 * 2**30
-WRITE_ROWS_BYTES = 64 * 2**20  # a non-contiguous tensor (the input-major float head) is written in row chunks
 SIDE_FILES = (TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE, GENERATION_CONFIG)
 
 
@@ -149,51 +149,15 @@ def serving_tensors(model: nn.Module, names: set[str]) -> Iterator[tuple[str, to
             yield name, t
 
 
-def plan_shards(tensors: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Tensors in model order, cut into shards of at most ``shard_bytes`` (a larger tensor gets its own)."""
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, t))
-        size += nbytes
-    return [s for s in shards if s]
-
-
-def write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """One safetensors file, streamed tensor by tensor (row chunks for a non-contiguous one); the bytes written.
-    Its pages are dropped from the page cache once on disk: a 17 GB conversion should not evict everything else."""
-    header: dict[str, Any] = {"__metadata__": dict(DEFAULT_METADATA)}
-    offset = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """One safetensors file; the bytes written. Its pages are dropped from the page cache once on disk: a 17 GB
+    conversion should not evict everything else."""
     with atomic_write(path) as (_, f):
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, t in tensors:
-            for piece in _pieces(t):
-                f.write(piece.view(torch.uint8).numpy().data)
+        written = write_safetensors(f, tensors)
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return 8 + len(raw) + offset
-
-
-def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    if t.is_contiguous():
-        if t.numel():
-            yield t.reshape(-1)
-        return
-    rows = max(1, WRITE_ROWS_BYTES // max(1, t[0].numel() * t.element_size()))
-    for r0 in range(0, t.shape[0], rows):
-        yield t[r0 : r0 + rows].contiguous().reshape(-1)
+    return written
 
 
 def converted_config(config: LingConfig, form: ConvertedForm) -> dict[str, Any]:
@@ -260,18 +224,17 @@ def _write(
 
     with torch.device("meta"):
         names = set(model_state(LingForCausalLM(src.config)))
-    tensors = list(serving_tensors(model, names))
-    shards = plan_shards(tensors, shard_bytes)
+    tensors = dict(serving_tensors(model, names))
+    shards = plan_shards(((name, tensor_bytes(t)) for name, t in tensors.items()), shard_bytes)
+    files = shard_names(len(shards))
     weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    for file, shard in zip(files, shards):
         if on_phase is not None:
             on_phase(f"writing {file} ({len(shard)} tensors)")
-        report.bytes_written += write_shard(dst / file, shard)
-        weight_map.update({name: file for name, _ in shard})
-    index = {"metadata": {"total_size": report.bytes_written}, "weight_map": weight_map}
+        report.bytes_written += write_shard(dst / file, {name: tensors[name] for name in shard})
+        weight_map.update({name: file for name in shard})
     with atomic_write(dst / WEIGHTS_INDEX) as (_, f):
-        f.write((json.dumps(index, indent=2) + "\n").encode())
+        f.write((json.dumps(index_json(weight_map, report.bytes_written), indent=2) + "\n").encode())
     for side in SIDE_FILES:
         if (src.path / side).is_file():
             with atomic_write(dst / side) as (_, f), open(src.path / side, "rb") as g:

@@ -503,15 +503,22 @@ def _advise_huge(address: int, nbytes: int) -> None:
 
 
 @functools.cache
-def _libc_madvise() -> Any:
+def _libc() -> Any:
+    """glibc (or None elsewhere): madvise for huge pages, malloc_trim to hand freed memory back."""
     if sys.platform != "linux":
         return None
     try:
-        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    f.restype = ctypes.c_int
+
+
+@functools.cache
+def _libc_madvise() -> Any:
+    f = getattr(_libc(), "madvise", None)
+    if f is not None:
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        f.restype = ctypes.c_int
     return f
 
 
@@ -519,12 +526,9 @@ def release_free_memory() -> None:
     """Hand memory freed by the load (buffers, temporaries) back to the system. glibc keeps freed heap memory
     for reuse, and the fragments left between small tensors that stay stay resident: measured at ~60 MB after
     a 0.5 GB load, which the memory plan would otherwise have to carry for the whole run."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return
-    trim(0)
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:  # not glibc: nothing to do
+        trim(0)
 
 
 def _lossless(src: torch.dtype, dst: torch.dtype) -> bool:
