@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -46,9 +46,6 @@ from lingctl.model.checkpoint_files import (
 from lingctl.model.config import LingConfig
 from lingctl.model.hf_files import index_json, plan_shards, shard_names, tensor_bytes
 from lingctl.model.safetensors_io import write_safetensors
-
-if TYPE_CHECKING:
-    from lingctl.flood.weights.model_dir import ModelDir
 
 QUANT_METHOD = "lingctl-int8"
 SCALE_SUFFIX = ".weight_scale"
@@ -93,6 +90,18 @@ class ConvertedForm:
                 hint=f"run with --quantize {self.mode} --dtype {self.dtype}, or convert the original checkpoint again",
             )
         return self.mode
+
+
+class ModelSource(Protocol):
+    """What a conversion reads from its source (a ``ModelDir``, which imports this module)."""
+
+    path: Path
+    config: LingConfig
+    converted: ConvertedForm | None
+
+    def fingerprint(self) -> str: ...
+
+    def load_with_stats(self, *, dtype: torch.dtype, quantize: str | None = None) -> tuple[nn.Module, Any]: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,7 +178,7 @@ def converted_config(config: LingConfig, form: ConvertedForm) -> dict[str, Any]:
 
 
 def convert(
-    src: ModelDir,
+    src: ModelSource,
     dst: Path,
     *,
     mode: str,
@@ -211,7 +220,7 @@ def convert(
 
 def _write(
     model: nn.Module,
-    src: ModelDir,
+    src: ModelSource,
     dst: Path,
     form: ConvertedForm,
     report: ConvertReport,
