@@ -53,23 +53,102 @@ def _moe_reference(x, idx, w, gate_up, down):
     return y
 
 
-def test_routed_experts_match_torch_and_each_row_stands_alone(kernels):
-    g = torch.Generator().manual_seed(0)
-    e, d, i, k = 16, 64, 48, 3
+@pytest.mark.parametrize(
+    ("e", "d", "i", "k", "t"),
+    # 2I and D of 64, 96 and 160 columns: whole 64-column blocks and a 32-column one; one expert with 40 rows,
+    # experts with 1-13 (groups of 6 rows and partial groups), one row alone
+    [(16, 64, 48, 3, 70), (2, 160, 80, 1, 13), (3, 96, 32, 3, 7), (4, 32, 16, 2, 1)],
+)
+def test_routed_experts_match_torch_and_each_row_stands_alone(kernels, e, d, i, k, t):
+    g = torch.Generator().manual_seed(e + d)
     gate_up = torch.randn(e, d, 2 * i, generator=g) * 0.1
     down = torch.randn(e, i, d, generator=g) * 0.1
-    x = torch.randn(70, d, generator=g)
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(70)])
-    idx[:40, 0] = 5  # one expert with many rows (the blocked path), others with few
-    w = torch.rand(70, k, generator=g)
+    x = torch.randn(t, d, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if t > 40:
+        idx[:40, 0] = 5  # one expert with many rows, others with few
+    w = torch.rand(t, k, generator=g)
     y = kernels.moe(x, idx, w, gate_up, down)
     assert torch.allclose(y, _moe_reference(x, idx, w, gate_up, down), atol=1e-5)
-    for t in (0, 39, 69):
-        assert torch.equal(kernels.moe(x[t : t + 1], idx[t : t + 1], w[t : t + 1], gate_up, down)[0], y[t])
+    for row in range(t) if t < 20 else (0, 39, 69):
+        alone = kernels.moe(x[row : row + 1], idx[row : row + 1], w[row : row + 1], gate_up, down)
+        assert torch.equal(alone[0], y[row])
     with pytest.raises(ValueError):
-        kernels.moe(x[:1], torch.tensor([[0, 1, e]]), w[:1], gate_up, down)
+        kernels.moe(x[:1], torch.tensor([[0, 1, e]] if k == 3 else [[e] * k]), w[:1], gate_up, down)
     # widths whose last column block would be partial are left to torch's operators
     assert not kernels.moe_supported(48, 40) and kernels.moe_supported(2048, 1408)
+
+
+def _bf16_moe_reference(x, idx, w, gate_up, down):
+    """float64 products of the bfloat16 values, the SwiGLU output rounded to bfloat16 as the kernel rounds it."""
+    i = down.shape[1]
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h = x[t].double() @ gate_up[e].double()
+            act = (F.silu(h[:i]) * h[i:]).to(torch.bfloat16).double()
+            y[t] += w[t, j].double() * (act @ down[e].double())
+    return y
+
+
+@pytest.mark.parametrize(
+    ("e", "d", "i", "k", "t"),
+    # as the float32 test; 40 rows of one expert span two sets of 24 rows
+    [(16, 64, 48, 3, 70), (2, 160, 80, 1, 13), (3, 96, 32, 3, 7), (4, 32, 16, 2, 1)],
+)
+def test_bf16_routed_experts_match_the_float64_product_and_each_row_stands_alone(kernels, e, d, i, k, t):
+    g = torch.Generator().manual_seed(e * 7 + d)
+    gate_up = (torch.randn(e, d, 2 * i, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(e, i, d, generator=g) * 0.1).bfloat16()
+    x = torch.randn(t, d, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if t > 40:
+        idx[:40, 0] = 5
+    w = torch.rand(t, k, generator=g)
+    y = kernels.moe(x, idx, w, gate_up, down)
+    assert y.dtype == torch.float32
+    want = _bf16_moe_reference(x, idx, w, gate_up, down)
+    # float32 sums of exact bf16 products: about 1e-7 relative; a SwiGLU value that rounds to the other
+    # neighbouring bfloat16 in float32 than in float64 moves an output by far less than this bound
+    assert torch.allclose(y.double(), want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    for row in range(t) if t < 20 else (0, 39, 69):
+        alone = kernels.moe(x[row : row + 1], idx[row : row + 1], w[row : row + 1], gate_up, down)
+        assert torch.equal(alone[0], y[row])
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.moe(x, idx, w, gate_up.float(), down.float())  # float32 weights with a bfloat16 input
+
+
+def test_bf16_products_are_the_same_with_and_without_the_bf16_instructions(kernels, tmp_path):
+    """The float32 FMAs (odd element first, then even, as VDPBF16PS is defined) give the instruction's results
+    on normal numbers: builds without AVX-512 BF16, and without AVX-512 at all, are compared with the build this
+    machine uses (the instruction flushes denormals to zero; these values have none)."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the BF16 instructions are x86 ones: elsewhere only the portable loop is built")
+    cc = native._compiler()
+    assert cc is not None
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(6, 96, 2 * 48, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(6, 48, 96, generator=g) * 0.1).bfloat16()
+    x = torch.randn(31, 96, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(31)])
+    w = torch.rand(31, 2, generator=g)
+    want = kernels.moe(x, idx, w, gate_up, down)
+    builds = {"x86-64-v3": ["-march=x86-64-v3"]}
+    if kernels.bf16_dot:
+        builds["native without BF16"] = ["-march=native", "-mno-avx512bf16"]
+    for name, march in builds.items():
+        lib = tmp_path / f"{name.replace(' ', '-')}.so"
+        flags = [f for f in native.FLAGS if f != "-march=native"] + march + native._openmp_flags()
+        built = subprocess.run([cc, *flags, "-o", str(lib), *map(str, native.SOURCES), "-lm"], capture_output=True)
+        assert built.returncode == 0, built.stderr
+        other = native.Kernels(ctypes.CDLL(str(lib)))
+        assert not other.bf16_dot
+        assert torch.equal(other.moe(x, idx, w, gate_up, down), want), name
 
 
 def _q8(shape, g):
@@ -152,7 +231,9 @@ def test_int8_activation_products_are_the_same_with_and_without_vnni(kernels, tm
     assert cc is not None
     plain = tmp_path / "portable.so"
     flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3", *native._openmp_flags()]
-    built = subprocess.run([cc, *flags, "-o", str(plain), str(native.SOURCE), "-lm"], capture_output=True, text=True)
+    built = subprocess.run(
+        [cc, *flags, "-o", str(plain), *map(str, native.SOURCES), "-lm"], capture_output=True, text=True
+    )
     assert built.returncode == 0, built.stderr
     portable = native.Kernels(ctypes.CDLL(str(plain)))
     assert not portable.vnni
@@ -171,7 +252,7 @@ def test_int8_activation_products_are_the_same_with_and_without_vnni(kernels, tm
     assert torch.equal(portable.moe(*args, act_int8=True), kernels.moe(*args, act_int8=True))
 
 
-def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
+def test_int8_and_bf16_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
     g = torch.Generator().manual_seed(7)
     wq, scale = _q8((96, 64), g)
     gate_up_q, gate_up_s = _q8((8, 64, 48), g)
@@ -179,6 +260,9 @@ def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
     x = torch.randn(21, 48, generator=g)
     idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(21)])
     w = torch.rand(21, 2, generator=g)
+    gate_up_bf16 = (torch.randn(8, 64, 2 * 32, generator=g) * 0.1).bfloat16()
+    down_bf16 = (torch.randn(8, 32, 64, generator=g) * 0.1).bfloat16()
+    x_bf16 = torch.randn(21, 64, generator=g).bfloat16()
     before = torch.get_num_threads()
     results = []
     try:
@@ -188,11 +272,12 @@ def test_int8_kernels_give_the_same_bits_on_one_thread_and_two(kernels):
                 (
                     kernels.linear_q8(torch.randn(21, 64, generator=torch.Generator().manual_seed(1)), wq, scale, None),
                     kernels.moe(x, idx, w, gate_up_q, down_q, (gate_up_s, down_s)),
+                    kernels.moe(x_bf16, idx, w, gate_up_bf16, down_bf16),
                 )
             )
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
 
 
 def test_attention_matches_sdpa_for_decode_and_prompt_units(kernels):

@@ -5,7 +5,9 @@ experts' weights are stacked once, gate and up fused, input-major (``[E, D, 2I]`
 the experts' own parameters become views of the stack, so memory is not doubled. A decode step of 64 tokens at top-6
 over 64 experts is then two ``torch._grouped_mm`` calls per layer instead of 192 small products.
 
-Each expert's group is padded with zero rows to at least ``MIN_ROWS``: like plain products, grouped
+Where flood's native kernels are built (``native/kernels.h``), float32 and bfloat16 experts take them instead:
+one call per layer walks every expert in use, each row computed alone, so no padding is needed. Otherwise (and
+for a torch fallback) each expert's group is padded with zero rows to at least ``MIN_ROWS``: like plain products, grouped
 products of 1-3 rows take other kernels than larger groups, and a token's result must not depend on how
 many other tokens chose the same expert (measured: from 4 rows on, a row's result is the same bits for
 any group size and position). Only real tokens are routed; padding rows of the step batch are not.
@@ -29,6 +31,8 @@ from lingctl.model.moe import SparseMoeBlock, dispatch_sorted, grouped_mm_availa
 # Up to this many experts in use, one product per expert beats the grouped kernel (measured on 64 experts:
 # at batch size 1 the grouped call cost 345 us, six separate products about half of that).
 LOOP_MAX_EXPERTS = 12
+# Float experts the native kernel computes (int8 ones take their own path).
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -144,19 +148,19 @@ class StackedExperts:
             native_q8 = kernels()
             if native_q8 is not None:
                 # int8 experts, float32 activations: the weights are read once per step for all rows routed to
-                # them and widened in registers. (bfloat16 steps keep torch's bf16 products, which use the
-                # CPU's BF16 instructions: faster than widening to float32 where they exist.)
+                # them and widened in registers.
                 gate_up, down, scales = self.native_q8
                 return native_q8.moe(x_TD, idx_TK, weight_TK, gate_up, down, scales, act_int8=self.act_int8)
-        native = kernels() if not self.quantized and x_TD.dtype == torch.float32 else None
+        native = kernels() if not self.quantized and x_TD.dtype in NATIVE_DTYPES else None
         if (
             native is not None
-            and self.gate_up_EDX.dtype == torch.float32
+            and self.gate_up_EDX.dtype == x_TD.dtype
             and native.moe_supported(self.gate_up_EDX.shape[1], self.width, idx_TK.shape[1])
         ):
-            # One call walks every expert in use; a row's result depends on that row alone, so float32 steps
-            # (decode and prompt alike) all take this path and stay batch-invariant without padding.
-            return native.moe(x_TD, idx_TK, weight_TK, self.gate_up_EDX, self.down_EID)
+            # One call walks every expert in use; a row's result depends on that row alone, so float32 and
+            # bfloat16 steps (decode and prompt alike) all take this path and stay batch-invariant without
+            # padding. bfloat16 sums are float32, rounded once here, as torch's bf16 products round theirs.
+            return native.moe(x_TD, idx_TK, weight_TK, self.gate_up_EDX, self.down_EID).to(x_TD.dtype)
         t, k = idx_TK.shape
         flat_N = idx_TK.reshape(-1)
         order_N = flat_N.argsort(stable=True)

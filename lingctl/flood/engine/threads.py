@@ -14,7 +14,8 @@ binds one OpenMP thread per physical core of its NUMA node and keeps one core ba
 
 Results and thread count. Outputs must not depend on machine load, so the count may follow the load only
 where results do not depend on the count. bf16 steps give the same bits at any count (products, grouped
-products and attention, measured at 1, 2, 3, 4 and 8 threads; whole engine runs at 1 and 2 threads). fp32
+products and attention, measured at 1, 2, 3, 4 and 8 threads; whole engine runs at 1 and 2 threads; the routed
+experts' native kernel computes each expert whole on one thread). fp32
 steps do not: with 2 threads MKL's sgemm gives other bits for products of 5-7 and 9-11 rows (so a row's result
 then also depends on how many rows share its step), and so does SDPA's fp32 kernel for decode shapes. Products
 padded to a multiple of 4 rows and the math attention kernel made fp32 runs bit-identical at 1, 2 and

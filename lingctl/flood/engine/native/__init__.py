@@ -1,10 +1,12 @@
-"""flood's CPU kernels (``kernels.c``): routed experts (float32 or int8 weights), int8 linear layers and
-attention over the segment KV cache, on float32 activations.
+"""flood's CPU kernels (``kernels.c``, ``bf16.c``): routed experts (float32, int8 or bfloat16 weights), int8
+linear layers and attention over the segment KV cache, on float32 activations (bfloat16 ones for bfloat16
+experts).
 
 Why: a decode step of a fine-grained MoE is hundreds of tiny products. Through torch each expert's
 product is an MKL call that packs its 256 KB weight before using it for ~6 rows (measured ~35 us where the
 arithmetic needs ~4 us), and each request's attention is one SDPA call (~29 us). These kernels walk the
-experts and the requests themselves, reading each weight row once per 8 rows, in one call per layer.
+experts and the requests themselves, reading each weight once per step for all the rows routed to it (up to
+24 rows per read), in one call per layer.
 
 Built on first use with the system C compiler (``cc -O3 -march=native``, well under a second) into
 lingctl's private cache directory (``$LINGCTL_CACHE_DIR/native``, created 0700 and owner-checked), keyed by
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 HEADER = SOURCE.with_name("kernels.h")  # the entry points, documented; kernels.c includes it
+# Every source file of the library and what they include (internal.h: what the files share with each other).
+SOURCES = (SOURCE, SOURCE.with_name("bf16.c"))
+HEADERS = (HEADER, SOURCE.with_name("internal.h"))
 # -ffp-contract=fast: every a*b+c is one fused multiply-add, the same in vector and scalar code, so a
 # row's sums do not depend on how the compiler vectorised the loop that computed them.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-fPIC", "-shared", "-std=gnu11"]
@@ -63,6 +68,25 @@ _f32 = ctypes.c_float
 # them, so a call with a missing or extra argument fails in Python instead of reading garbage.
 _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, type[ctypes._SimpleCData]]]]] = {
     "flood_moe_experts": (
+        None,
+        [
+            ("x", _ptr),
+            ("T", _i64),
+            ("D", _i64),
+            ("idx", _ptr),
+            ("Kt", _i64),
+            ("gate_up", _ptr),
+            ("down", _ptr),
+            ("E", _i64),
+            ("I", _i64),
+            ("e0", _i64),
+            ("e1", _i64),
+            ("outs", _ptr),
+            ("scratch", _ptr),
+            ("slot", _ptr),
+        ],
+    ),
+    "flood_moe_experts_bf16": (
         None,
         [
             ("x", _ptr),
@@ -121,6 +145,7 @@ _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, t
         ],
     ),
     "flood_vnni": (ctypes.c_int, []),
+    "flood_bf16_dot": (ctypes.c_int, []),
     "flood_quantize_rows_bf16": (
         ctypes.c_int,
         [("src", _ptr), ("rows", _i64), ("K", _i64), ("dst", _ptr), ("scale", _ptr), ("scale_bf16", ctypes.c_int)],
@@ -219,7 +244,7 @@ def _build() -> Path | None:
     if cc is None:
         _fall_back("no C compiler was found (cc, gcc or clang on PATH, or CC)")
         return None
-    source = SOURCE.read_bytes() + b"\0" + HEADER.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -243,7 +268,7 @@ def _build() -> Path | None:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             last = result.stderr.strip().splitlines()[-1:]
@@ -272,6 +297,7 @@ class Kernels:
         functions = _declare(lib)
         self._experts = functions["flood_moe_experts"]
         self._experts_q8 = functions["flood_moe_experts_q8"]
+        self._experts_bf16 = functions["flood_moe_experts_bf16"]
         self._linear_q8 = functions["flood_linear_q8"]
         self._quantize_rows = functions["flood_quantize_rows_bf16"]
         self._combine = functions["flood_moe_combine"]
@@ -280,6 +306,8 @@ class Kernels:
         self.openmp = bool(functions["flood_openmp"]())
         # int8 x int8 products on AVX-512 VNNI, or the portable loop (the same integers either way).
         self.vnni = bool(functions["flood_vnni"]())
+        # bfloat16 pair products on AVX-512 BF16, or float32 FMAs in the same order.
+        self.bf16_dot = bool(functions["flood_bf16_dot"]())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -315,9 +343,9 @@ class Kernels:
         *,
         act_int8: bool = False,
     ) -> torch.Tensor:
-        """Routed experts' weighted sum [T, D] of a float32 input (``act_int8``: int8 weights only, each row
-        quantized to int8 for exact integer products, see kernels.h): float32 weights input-major (``[E, D, 2I]``,
-        ``[E, I, D]``), or int8 weights output-major (``[E, 2I, D]``, ``[E, D, I]``: the names then mean the
+        """Routed experts' weighted sum [T, D] (float32) of a float32 input (``act_int8``: int8 weights only, each
+        row quantized to int8 for exact integer products, see kernels.h): float32 weights input-major (``[E, D,
+        2I]``, ``[E, I, D]``; bfloat16 ones in the same layout take a bfloat16 input), or int8 weights output-major (``[E, 2I, D]``, ``[E, D, I]``: the names then mean the
         transposes) with ``scales`` (float32 ``[E, 2I]`` and ``[E, D]``, one per output); the input and the
         routing are made contiguous here, expert ids checked in range; a ValueError for anything the kernels
         cannot take."""
@@ -346,6 +374,10 @@ class Kernels:
                     g, dn = gate_up_EDX.data_ptr(), down_EID.data_ptr()
                     gs, ds = scales[0].data_ptr(), scales[1].data_ptr()
                     self._experts_q8(x.data_ptr(), t, d, idx.data_ptr(), k, g, gs, dn, ds, *common, int(act_int8))
+                elif x.dtype == torch.bfloat16:
+                    self._experts_bf16(
+                        x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(), *common
+                    )
                 else:
                     self._experts(
                         x.data_ptr(), t, d, idx.data_ptr(), k, gate_up_EDX.data_ptr(), down_EID.data_ptr(), *common
@@ -478,10 +510,11 @@ def _moe_inputs(
     t, d = x_TD.shape
     k = idx_TK.shape[1]
     e = gate_up_EDX.shape[0]
+    dtype = torch.bfloat16 if scales is None and x_TD.dtype == torch.bfloat16 else torch.float32
     if scales is None:
         i = down_EID.shape[1]
-        _check("gate_up_EDX", gate_up_EDX, (e, d, 2 * i))
-        _check("down_EID", down_EID, (e, i, d))
+        _check("gate_up_EDX", gate_up_EDX, (e, d, 2 * i), dtype)
+        _check("down_EID", down_EID, (e, i, d), dtype)
         _require(Kernels.moe_supported(d, i, k), f"widths D={d}, 2I={2 * i} and top-k {k} are not supported")
     else:
         i = down_EID.shape[2]
@@ -491,7 +524,7 @@ def _moe_inputs(
         _check("down_scale", scales[1], (e, d))
         _require(d > 0 and i > 0 and k <= MAX_TOP_K, f"widths D={d}, I={i} and top-k {k} are not supported")
     x = x_TD.contiguous()
-    _check("x_TD", x, (t, d))
+    _check("x_TD", x, (t, d), dtype)
     _require(tuple(weight_TK.shape) == (t, k), f"weight_TK must have shape {[t, k]}, got {list(weight_TK.shape)}")
     _require(not idx_TK.is_floating_point(), f"idx_TK must hold integers, got {idx_TK.dtype}")
     idx = idx_TK.to(torch.int64).contiguous()

@@ -9,6 +9,7 @@
    point: its arrays (contiguous float32 or int64) and the sizes and ranges the caller checks before calling. */
 
 #include "kernels.h"
+#include "internal.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -17,17 +18,136 @@
 #endif
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define FLOOD_VNNI 1 /* the int8 dot products use AVX-512 VNNI (vpdpbusd); elsewhere a portable loop */
 #endif
+
+#ifdef __AVX512F__
+/* exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (about 1 ulp against
+   the C library's expf), times 2^n. Arguments are clamped to [-87.3, 88.7] (a finite result for any input; an
+   argument below that range gives about 1e-38 where the true value is smaller still). The same instructions for
+   every lane, so a value's result never depends on its neighbours. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* SwiGLU of n gate and up values: out = silu(g) * u. */
+static void swiglu(const float *g, const float *u, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
 
 #define MB 8  /* rows per register block */
 #define NB 32 /* columns per register block: 8 x 32 float accumulators fit the 32 vector registers */
 
-/* The same product for a few rows (M <= MB, a decode step's share of one expert): sweeps each weight row
-   from start to end, which streams a weight that is not in cache best. Every output is the same chain of
-   fused multiply-adds over k as in small_gemm below, so both give the same bits for a row. */
+/* out[m, :N] = in[m, :K] @ w[:K, :N] for m < M (w row-major, "input-major"): rows_gemm. Every output is one
+   chain of fused multiply-adds over k in order, started from zero, whichever code below computes it and however
+   many rows share the call, so a row's bits never depend on M. */
+#ifdef __AVX512F__
+/* R rows (R <= 6) by C vectors of 16 columns over kn weight rows from k0 on, the accumulators in registers: each
+   weight vector loaded serves R rows. The partial sums live in ``out`` between calls (exact: float32 in and
+   out), so the chain of additions over k is the same as in one pass. With ``pf`` it also prefetches the same
+   columns of the rows KC further on, the next call's: without it the hardware sees column pieces of rows 1 KB
+   or more apart, streams them at under half the read bandwidth, and the products wait on memory. */
+#define KC 16 /* weight rows per pass: 16 rows of an expert are at most a few tens of KB, in L1 or L2 */
+static inline __attribute__((always_inline)) void few_rows_block(const float *in, int64_t K, const float *w, int64_t N,
+                                                                int64_t kn, int first, int R, int C,
+                                                                const float *pf, float *out) {
+    __m512 acc[6][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * N + 16 * c);
+    for (int64_t k = 0; k < kn; k++) {
+        const float *wr = w + k * N;
+        __m512 wv[4];
+        for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_ps(wr + 16 * c);
+        if (pf)
+            for (int c = 0; c < C; c++) _mm_prefetch((const char *)(pf + (k * C + c) * 16), _MM_HINT_T1);
+        for (int r = 0; r < R; r++) {
+            __m512 av = _mm512_set1_ps(in[r * K + k]);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(av, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + r * N + 16 * c, acc[r][c]);
+}
+
+/* R and C constants in each call below, so each pair gets its own unrolled loop. */
+#define FEW_ROWS_CASES(C)                                                                                      \
+    switch (R) {                                                                                               \
+    case 1: few_rows_block(in, K, w, N, kn, first, 1, C, pf, out); break;                                     \
+    case 2: few_rows_block(in, K, w, N, kn, first, 2, C, pf, out); break;                                     \
+    case 3: few_rows_block(in, K, w, N, kn, first, 3, C, pf, out); break;                                     \
+    case 4: few_rows_block(in, K, w, N, kn, first, 4, C, pf, out); break;                                     \
+    case 5: few_rows_block(in, K, w, N, kn, first, 5, C, pf, out); break;                                     \
+    default: few_rows_block(in, K, w, N, kn, first, 6, C, pf, out); break;                                    \
+    }
+static void few_rows_cols(const float *in, int64_t K, const float *w, int64_t N, int64_t kn, int first, int R,
+                          int C, const float *pf, float *out) {
+    if (C == 4) { FEW_ROWS_CASES(4) }
+    else if (C == 2) { FEW_ROWS_CASES(2) }
+    else { FEW_ROWS_CASES(1) }
+}
+#undef FEW_ROWS_CASES
+
+/* Any M, in sets of up to SET_ROWS rows: within a set, each pass of KC weight rows serves every group of 6 rows
+   before the next pass, so the weights are read from memory once per set while the set's partial sums stay in
+   L2 (bf16.c does the same). At one thread on a 64-expert layer of width 256 this reads the weights at 20-27 GB/s
+   for 1-8 rows (the read bandwidth, where an accumulator array in L1 reached 10) and matches the 8 x 32 blocks
+   below up to 64 rows. N is a multiple of 16 (the callers' widths are multiples of 32, kernels.h). */
+#define SET_ROWS 24
+static void rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
+    for (int64_t s0 = 0; s0 < M; s0 += SET_ROWS) {
+        int64_t s1 = M - s0 < SET_ROWS ? M : s0 + SET_ROWS;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            int64_t kn = K - k0 < KC ? K - k0 : KC;
+            const float *wk = w + k0 * N;
+            int first = k0 == 0;
+            for (int64_t m0 = s0; m0 < s1; m0 += 6) {
+                int R = s1 - m0 < 6 ? (int)(s1 - m0) : 6;
+                const float *a = in + m0 * K + k0;
+                float *o = out + m0 * N;
+                /* the set's first group prefetches the next pass, the block at columns n0 its rows in address
+                   order from n0 * KC on: all the blocks together cover them once, and memory sees one steady
+                   sequential stream (the other groups find the pass in cache) */
+                const float *next = m0 == s0 && kn == KC ? wk + KC * N : NULL;
+                int64_t n0 = 0;
+#define PF(n0) (next ? next + (n0) * KC : NULL)
+                for (; n0 + 64 <= N; n0 += 64) few_rows_cols(a, K, wk + n0, N, kn, first, R, 4, PF(n0), o + n0);
+                for (; n0 + 32 <= N; n0 += 32) few_rows_cols(a, K, wk + n0, N, kn, first, R, 2, PF(n0), o + n0);
+                for (; n0 + 16 <= N; n0 += 16) few_rows_cols(a, K, wk + n0, N, kn, first, R, 1, PF(n0), o + n0);
+#undef PF
+            }
+        }
+    }
+}
+#else
+/* Without AVX-512: few rows (M <= MB, a decode step's share of one expert) sweep each weight row from start to end,
+   accumulating into a block of columns in L1, which streams a weight that is not in cache best. */
 #define NCHUNK 256
 static void few_rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
     float acc[MB][NCHUNK];
@@ -48,8 +168,8 @@ static void few_rows_gemm(const float *in, int64_t M, int64_t K, const float *w,
     }
 }
 
-/* out[m, :N] = in[m, :K] @ w[:K, :N] for m < M (w row-major, "input-major"); in has at least
-   ceil(M / MB) * MB rows (the caller zero-pads), out as many. Each output is summed over k in order. */
+/* More rows: MB x NB register blocks; in has at least ceil(M / MB) * MB rows (the caller zero-pads), out as
+   many. */
 static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
     int64_t n_main = N - N % NB;
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
@@ -77,6 +197,12 @@ static void small_gemm(const float *in, int64_t M, int64_t K, const float *w, in
         }
     }
 }
+
+static void rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
+    if (M <= MB) few_rows_gemm(in, M, K, w, N, out);
+    else small_gemm(in, M, K, w, N, out);
+}
+#endif
 
 /* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
    then summed pairwise, then the tail. */
@@ -293,17 +419,16 @@ static void product(const float *in, int64_t m, int64_t K, const void *w, const 
     } else if (scale) {
         rows_q8(in, m, K, (const int8_t *)w, scale, NULL, N, out, 0, N, wide);
     } else {
-        if (m <= MB) few_rows_gemm(in, m, K, (const float *)w, N, out);
-        else small_gemm(in, m, K, (const float *)w, N, out);
+        rows_gemm(in, m, K, (const float *)w, N, out);
     }
 }
 
 /* Routed experts of one layer, the experts [e0, e1) of it: see kernels.h. */
-static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const void *gate_up,
+static void moe_experts(const void *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt, const void *gate_up,
                         const float *gate_up_scale, const void *down, const float *down_scale, int64_t I, int64_t e0,
-                        int64_t e1, float *outs, float *scratch, int64_t *slot, int act_int8) {
+                        int64_t e1, float *outs, float *scratch, int64_t *slot, int act_int8, int bf16) {
     int64_t N = T * Kt;
-    size_t wsize = gate_up_scale ? sizeof(int8_t) : sizeof(float);
+    size_t wsize = gate_up_scale ? sizeof(int8_t) : bf16 ? sizeof(uint16_t) : sizeof(float);
     /* per thread: rows [N + MB, D] (one expert's gathered inputs, zero-padded), h [N + MB, 2I], act [N + MB, I] */
     int64_t span = e1 - e0;
     if (span <= 0) return;
@@ -350,17 +475,25 @@ static void moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx
         const char *dn = (const char *)down + (size_t)((e0 + e) * I * D) * wsize;
         const float *gs = gate_up_scale ? gate_up_scale + (e0 + e) * 2 * I : NULL;
         const float *ds = down_scale ? down_scale + (e0 + e) * D : NULL;
+        if (bf16) { /* bfloat16 rows and weights (bf16.c), float32 sums, SwiGLU in float32 */
+            uint16_t *rows16 = (uint16_t *)rows, *act16 = (uint16_t *)h; /* h is free once act is made */
+            for (int64_t r = 0; r < m; r++)
+                memcpy(rows16 + r * D, (const uint16_t *)x + (slot[a + r] / Kt) * D, sizeof(uint16_t) * (size_t)D);
+            flood_rows_bf16(rows16, m, D, (const uint16_t *)gu, 2 * I, h);
+            for (int64_t r = 0; r < m; r++) swiglu(h + r * 2 * I, h + r * 2 * I + I, I, act + r * I);
+            flood_round_bf16(act, m * I, act16); /* the down product's input in bfloat16, as torch's would be */
+            flood_rows_bf16(act16, m, I, (const uint16_t *)dn, D, rows);
+            for (int64_t r = 0; r < m; r++)
+                memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
+            continue;
+        }
         int64_t mp = (m + MB - 1) / MB * MB; /* zero rows up to a whole register block */
         for (int64_t r = 0; r < m; r++)
-            memcpy(rows + r * D, x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
+            memcpy(rows + r * D, (const float *)x + (slot[a + r] / Kt) * D, sizeof(float) * (size_t)D);
         memset(rows + m * D, 0, sizeof(float) * (size_t)((mp - m) * D));
         product(rows, m, D, gu, gs, 2 * I, h, wide, act8);
-        for (int64_t r = 0; r < mp; r++) {
-            const float *g = h + r * 2 * I, *u = g + I;
-            float *o = act + r * I;
-            for (int64_t i = 0; i < I; i++)
-                o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        for (int64_t r = 0; r < m; r++) swiglu(h + r * 2 * I, h + r * 2 * I + I, I, act + r * I);
+        memset(act + m * I, 0, sizeof(float) * (size_t)((mp - m) * I)); /* the zero rows, as for the input */
         product(act, m, I, dn, ds, D, rows, wide, act8);
         for (int64_t r = 0; r < m; r++)
             memcpy(outs + slot[a + r] * D, rows + r * D, sizeof(float) * (size_t)D);
@@ -378,7 +511,15 @@ void flood_moe_experts(const float *x, int64_t T, int64_t D, const int64_t *idx,
                        const float *down, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                        float *scratch, int64_t *slot) {
     (void)E;
-    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot, 0);
+    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot, 0, 0);
+}
+
+/* Routed experts with bfloat16 rows and weights (kernels.h). */
+void flood_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
+                            const uint16_t *gate_up, const uint16_t *down, int64_t E, int64_t I, int64_t e0, int64_t e1,
+                            float *outs, float *scratch, int64_t *slot) {
+    (void)E;
+    moe_experts(x, T, D, idx, Kt, gate_up, NULL, down, NULL, I, e0, e1, outs, scratch, slot, 0, 1);
 }
 
 /* Routed experts with int8 weights and per-output-column scales (kernels.h). */
@@ -388,7 +529,7 @@ void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *i
                           float *scratch, int64_t *slot, int act_int8) {
     (void)E;
     moe_experts(x, T, D, idx, Kt, gate_up, gate_up_scale, down, down_scale, I, e0, e1, outs, scratch, slot,
-                act_int8);
+                act_int8, 0);
 }
 
 /* y[t] = sum over the token's Kt routed slots, in ascending expert id, of weight * output; rows [t0, t1)
@@ -450,6 +591,73 @@ void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, cons
     }
 }
 
+#ifdef __AVX512F__
+/* One query head over its keys with the head held in registers (Dh a multiple of 16, at most 16 * HEAD_VECTORS):
+   the query and the output accumulators stay in registers for the whole walk over the keys, where the portable
+   loop below re-reads and re-writes the output row once per key. Each score is one chain of fused multiply-adds
+   over the head's vectors, then a fixed tree over the lanes; the output is one chain per lane over the keys in
+   order: a query's bits depend on its own keys alone. */
+#define HEAD_VECTORS 8
+/* Keys are scattered over the KV pool (a request's segments), so the hardware cannot guess the next one: each
+   key's (or value's) lines are fetched this many keys ahead. */
+#define KEYS_AHEAD 8
+static inline __attribute__((always_inline)) void prefetch_head(const float *p, const int NV) {
+    for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + 16 * v), _MM_HINT_T0);
+}
+static inline __attribute__((always_inline)) void head_walk(const float *qh, const int NV, const float *kpool,
+                                                           const float *vpool, int64_t Kh, int64_t kh,
+                                                           const int64_t *ks, int64_t seen, float scale,
+                                                           float *scores, float *o) {
+    __m512 qv[HEAD_VECTORS], acc[HEAD_VECTORS];
+    int64_t Dh = 16 * NV;
+    for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(qh + 16 * v);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < seen; j++) {
+        const float *kv = kpool + (ks[j] * Kh + kh) * Dh;
+        if (j + KEYS_AHEAD < seen) prefetch_head(kpool + (ks[j + KEYS_AHEAD] * Kh + kh) * Dh, NV);
+        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kv));
+        for (int v = 1; v < NV; v++) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kv + 16 * v), d);
+        float s = _mm512_reduce_add_ps(d) * scale;
+        scores[j] = s;
+        mx = s > mx ? s : mx;
+    }
+    /* exp(s - max) 16 keys at a time, summed in 16 lanes over the blocks, then a fixed tree over the lanes (the
+       last block masked: lanes past the keys add zero) */
+    __m512 sums = _mm512_setzero_ps(), mv = _mm512_set1_ps(mx);
+    for (int64_t j = 0; j < seen; j += 16) {
+        __mmask16 m = seen - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - j)) - 1u);
+        __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), mv));
+        p = _mm512_maskz_mov_ps(m, p);
+        _mm512_mask_storeu_ps(scores + j, m, p);
+        sums = _mm512_add_ps(sums, p);
+    }
+    float sum = _mm512_reduce_add_ps(sums);
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j++) {
+        const float *vv = vpool + (ks[j] * Kh + kh) * Dh;
+        if (j + KEYS_AHEAD < seen) prefetch_head(vpool + (ks[j + KEYS_AHEAD] * Kh + kh) * Dh, NV);
+        __m512 p = _mm512_set1_ps(scores[j]);
+        for (int v = 0; v < NV; v++) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vv + 16 * v), acc[v]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(acc[v], inv));
+}
+
+static void head_in_registers(const float *qh, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
+                              int64_t kh, const int64_t *ks, int64_t seen, float scale, float *scores, float *o) {
+    switch (Dh / 16) { /* each head size its own unrolled loop */
+    case 1: head_walk(qh, 1, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 2: head_walk(qh, 2, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 3: head_walk(qh, 3, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 4: head_walk(qh, 4, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 5: head_walk(qh, 5, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 6: head_walk(qh, 6, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    case 7: head_walk(qh, 7, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    default: head_walk(qh, 8, kpool, vpool, Kh, kh, ks, seen, scale, scores, o); break;
+    }
+}
+#endif
+
 /* Attention of query rows over the KV pool, one unit (a run of queries of one request) at a time, causal and
    bottom-right aligned: see kernels.h for the unit layout. */
 void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, const float *vpool, int64_t Kh,
@@ -476,6 +684,13 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
             for (int64_t hh = 0; hh < H; hh++) {
                 const float *qh = q + ((q_start + i) * H + hh) * Dh;
                 int64_t kh = hh / group;
+                float *o = out + ((q_start + i) * H + hh) * Dh;
+#ifdef __AVX512F__
+                if (Dh % 16 == 0 && Dh <= 16 * HEAD_VECTORS) {
+                    head_in_registers(qh, Dh, kpool, vpool, Kh, kh, ks, seen, scale, scores, o);
+                    continue;
+                }
+#endif
                 float mx = -INFINITY;
                 for (int64_t j = 0; j < seen; j++) {
                     const float *kv = kpool + (ks[j] * Kh + kh) * Dh;
@@ -489,7 +704,6 @@ void flood_attention(const float *q, int64_t H, int64_t Dh, const float *kpool, 
                     scores[j] = p;
                     sum += p;
                 }
-                float *o = out + ((q_start + i) * H + hh) * Dh;
                 memset(o, 0, sizeof(float) * (size_t)Dh);
                 for (int64_t j = 0; j < seen; j++) {
                     const float *vv = vpool + (ks[j] * Kh + kh) * Dh;

@@ -42,6 +42,17 @@ void flood_moe_experts_q8(const float *x, int64_t T, int64_t D, const int64_t *i
                           const float *down_scale, int64_t E, int64_t I, int64_t e0, int64_t e1, float *outs,
                           float *scratch, int64_t *slot, int act_int8);
 
+/* The same with bfloat16 rows and weights (uint16 bit patterns), in the float32 layout above:
+     x        [T, D] bfloat16
+     gate_up  [E, D, 2I] bfloat16, input-major; down [E, I, D] bfloat16
+   The products sum pairs of bfloat16 products in float32 (AVX-512 BF16 where built for it, else float32 FMAs in
+   the same order), the SwiGLU is computed in float32 and rounded to bfloat16 for the down product, and outs is
+   float32. Each output is one chain over k in order, so a row's bits do not depend on the other rows or the
+   thread count. D and 2I are multiples of 32, as above. */
+void flood_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *idx, int64_t Kt,
+                            const uint16_t *gate_up, const uint16_t *down, int64_t E, int64_t I, int64_t e0, int64_t e1,
+                            float *outs, float *scratch, int64_t *slot);
+
 /* An int8 linear layer, output columns [o0, o1) of y (Int8Linear's layout: one weight row per output).
      x      [M, K] float32
      w      [N, K] int8; scale [N] float32; bias [N] float32 or NULL
@@ -61,6 +72,10 @@ void flood_linear_q8(const float *x, int64_t M, int64_t K, const int8_t *w, cons
    Returns 0, or -1 when a row holds an infinity or a NaN (the caller then quantizes those rows itself). */
 int flood_quantize_rows_bf16(const uint16_t *src, int64_t rows, int64_t K, int8_t *dst, float *scale,
                              int scale_bf16);
+
+/* 1 when the bfloat16 products use AVX-512 BF16 (vdpbf16ps), 0 for float32 FMAs in the same order (which do not
+   flush denormals to zero as the instruction does). */
+int flood_bf16_dot(void);
 
 /* 1 when the int8 x int8 products use AVX-512 VNNI, 0 for the portable loop (the same results). */
 int flood_vnni(void);
