@@ -64,47 +64,28 @@ _why_not: str | None = None  # the reason the last kernels() call returned None
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _f32 = ctypes.c_float
+# The routed-expert entry points for float32 and bfloat16 weights take the same arguments.
+_EXPERTS_ARGS: list[tuple[str, type[ctypes._SimpleCData]]] = [
+    ("x", _ptr),
+    ("T", _i64),
+    ("D", _i64),
+    ("idx", _ptr),
+    ("Kt", _i64),
+    ("gate_up", _ptr),
+    ("down", _ptr),
+    ("E", _i64),
+    ("I", _i64),
+    ("e0", _i64),
+    ("e1", _i64),
+    ("outs", _ptr),
+    ("scratch", _ptr),
+    ("slot", _ptr),
+]
 # Every entry point of kernels.h, its arguments in order (named as there) and its result: ctypes is told all of
 # them, so a call with a missing or extra argument fails in Python instead of reading garbage.
 _SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[tuple[str, type[ctypes._SimpleCData]]]]] = {
-    "flood_moe_experts": (
-        None,
-        [
-            ("x", _ptr),
-            ("T", _i64),
-            ("D", _i64),
-            ("idx", _ptr),
-            ("Kt", _i64),
-            ("gate_up", _ptr),
-            ("down", _ptr),
-            ("E", _i64),
-            ("I", _i64),
-            ("e0", _i64),
-            ("e1", _i64),
-            ("outs", _ptr),
-            ("scratch", _ptr),
-            ("slot", _ptr),
-        ],
-    ),
-    "flood_moe_experts_bf16": (
-        None,
-        [
-            ("x", _ptr),
-            ("T", _i64),
-            ("D", _i64),
-            ("idx", _ptr),
-            ("Kt", _i64),
-            ("gate_up", _ptr),
-            ("down", _ptr),
-            ("E", _i64),
-            ("I", _i64),
-            ("e0", _i64),
-            ("e1", _i64),
-            ("outs", _ptr),
-            ("scratch", _ptr),
-            ("slot", _ptr),
-        ],
-    ),
+    "flood_moe_experts": (None, _EXPERTS_ARGS),
+    "flood_moe_experts_bf16": (None, _EXPERTS_ARGS),
     "flood_moe_experts_q8": (
         None,
         [

@@ -19,7 +19,6 @@
 #include <immintrin.h>
 #endif
 
-#define KC 16 /* weight rows per pass (even): a few tens of KB of an expert, in L1 or L2 */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* acc + a[odd] * w[odd] + a[even] * w[even] in each 32-bit lane of pairs. */
@@ -35,9 +34,9 @@ static inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i w) {
 #endif
 }
 
-/* R rows (R <= 6) by C vectors of 16 columns over kn weight rows (kn even), the accumulators in registers, kept in
-   ``out`` between passes (exact); ``pf``: the next pass's rows, prefetched in address order (as rows_gemm in
-   kernels.c, which explains why). */
+/* One block of flood_rows_walk (internal.h): R rows (R <= 6) by C vectors of 16 columns over kn weight rows (kn
+   even), the accumulators in registers, kept in ``out`` between passes (exact); ``pf``: lines of the next pass to
+   prefetch, C per pair of weight rows. */
 static inline __attribute__((always_inline)) void pairs_block(const uint16_t *in, int64_t K, const uint16_t *w,
                                                              int64_t N, int64_t kn, int first, int R, int C,
                                                              const uint16_t *pf, float *out) {
@@ -78,41 +77,17 @@ static inline __attribute__((always_inline)) void pairs_block(const uint16_t *in
     case 5: pairs_block(in, K, w, N, kn, first, 5, C, pf, out); break;                                        \
     default: pairs_block(in, K, w, N, kn, first, 6, C, pf, out); break;                                       \
     }
-static void pairs_cols(const uint16_t *in, int64_t K, const uint16_t *w, int64_t N, int64_t kn, int first, int R,
-                       int C, const uint16_t *pf, float *out) {
+static void pairs_cols(const void *in_, int64_t K, const void *w_, int64_t N, int64_t kn, int first, int R, int C,
+                       const void *pf_, float *out) {
+    const uint16_t *in = (const uint16_t *)in_, *w = (const uint16_t *)w_, *pf = (const uint16_t *)pf_;
     if (C == 4) { PAIRS_CASES(4) }
     else if (C == 2) { PAIRS_CASES(2) }
     else { PAIRS_CASES(1) }
 }
 #undef PAIRS_CASES
 
-/* Rows in sets of up to SET_ROWS: within a set, each pass of KC weight rows serves every group of 6 rows before the
-   next pass, so an expert's weights are read from memory once per set (an expert of Ling-lite is 11.5 MB of gate
-   and up weights, far more than the caches keep: group by group it would be read once per 6 rows), while the
-   set's partial sums (SET_ROWS x N floats, at most a few hundred KB) stay in L2. */
-#define SET_ROWS 24
 void flood_rows_bf16(const uint16_t *in, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *out) {
-    for (int64_t s0 = 0; s0 < M; s0 += SET_ROWS) {
-        int64_t s1 = M - s0 < SET_ROWS ? M : s0 + SET_ROWS;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            int64_t kn = K - k0 < KC ? K - k0 : KC;
-            const uint16_t *wk = w + k0 * N;
-            int first = k0 == 0;
-            for (int64_t m0 = s0; m0 < s1; m0 += 6) {
-                int R = s1 - m0 < 6 ? (int)(s1 - m0) : 6;
-                const uint16_t *a = in + m0 * K + k0;
-                float *o = out + m0 * N;
-                /* the set's first group prefetches the next pass (the others find it in cache) */
-                const uint16_t *next = m0 == s0 && kn == KC ? wk + KC * N : NULL;
-                int64_t n0 = 0;
-#define PF(n0) (next ? next + (n0) * KC : NULL)
-                for (; n0 + 64 <= N; n0 += 64) pairs_cols(a, K, wk + n0, N, kn, first, R, 4, PF(n0), o + n0);
-                for (; n0 + 32 <= N; n0 += 32) pairs_cols(a, K, wk + n0, N, kn, first, R, 2, PF(n0), o + n0);
-                for (; n0 + 16 <= N; n0 += 16) pairs_cols(a, K, wk + n0, N, kn, first, R, 1, PF(n0), o + n0);
-#undef PF
-            }
-        }
-    }
+    flood_rows_walk(in, sizeof(uint16_t), M, K, w, sizeof(uint16_t), N, out, pairs_cols);
 }
 #else
 static inline float widen(uint16_t b) {

@@ -68,12 +68,10 @@ static void swiglu(const float *g, const float *u, int64_t n, float *out) {
    chain of fused multiply-adds over k in order, started from zero, whichever code below computes it and however
    many rows share the call, so a row's bits never depend on M. */
 #ifdef __AVX512F__
-/* R rows (R <= 6) by C vectors of 16 columns over kn weight rows from k0 on, the accumulators in registers: each
-   weight vector loaded serves R rows. The partial sums live in ``out`` between calls (exact: float32 in and
-   out), so the chain of additions over k is the same as in one pass. With ``pf`` it also prefetches the same
-   columns of the rows KC further on, the next call's: without it the hardware sees column pieces of rows 1 KB
-   or more apart, streams them at under half the read bandwidth, and the products wait on memory. */
-#define KC 16 /* weight rows per pass: 16 rows of an expert are at most a few tens of KB, in L1 or L2 */
+/* One block of flood_rows_walk (internal.h): R rows (R <= 6) by C vectors of 16 columns over kn weight rows, the
+   accumulators in registers, so each weight vector loaded serves R rows. The partial sums live in ``out`` between
+   passes (exact: float32 in and out), so the chain of additions over k is the same as in one pass. With ``pf``
+   each weight row's step also prefetches C lines of the next pass into L2 (the walk says why). */
 static inline __attribute__((always_inline)) void few_rows_block(const float *in, int64_t K, const float *w, int64_t N,
                                                                 int64_t kn, int first, int R, int C,
                                                                 const float *pf, float *out) {
@@ -106,44 +104,18 @@ static inline __attribute__((always_inline)) void few_rows_block(const float *in
     case 5: few_rows_block(in, K, w, N, kn, first, 5, C, pf, out); break;                                     \
     default: few_rows_block(in, K, w, N, kn, first, 6, C, pf, out); break;                                    \
     }
-static void few_rows_cols(const float *in, int64_t K, const float *w, int64_t N, int64_t kn, int first, int R,
-                          int C, const float *pf, float *out) {
+static void few_rows_cols(const void *in_, int64_t K, const void *w_, int64_t N, int64_t kn, int first, int R,
+                          int C, const void *pf_, float *out) {
+    const float *in = (const float *)in_, *w = (const float *)w_, *pf = (const float *)pf_;
     if (C == 4) { FEW_ROWS_CASES(4) }
     else if (C == 2) { FEW_ROWS_CASES(2) }
     else { FEW_ROWS_CASES(1) }
 }
 #undef FEW_ROWS_CASES
 
-/* Any M, in sets of up to SET_ROWS rows: within a set, each pass of KC weight rows serves every group of 6 rows
-   before the next pass, so the weights are read from memory once per set while the set's partial sums stay in
-   L2 (bf16.c does the same). At one thread on a 64-expert layer of width 256 this reads the weights at 20-27 GB/s
-   for 1-8 rows (the read bandwidth, where an accumulator array in L1 reached 10) and matches the 8 x 32 blocks
-   below up to 64 rows. N is a multiple of 16 (the callers' widths are multiples of 32, kernels.h). */
-#define SET_ROWS 24
+/* Any M; at 64 rows as fast as the 8 x 32 blocks below, at a few rows bound by memory (bench/flood_expert_kernel.py). */
 static void rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
-    for (int64_t s0 = 0; s0 < M; s0 += SET_ROWS) {
-        int64_t s1 = M - s0 < SET_ROWS ? M : s0 + SET_ROWS;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            int64_t kn = K - k0 < KC ? K - k0 : KC;
-            const float *wk = w + k0 * N;
-            int first = k0 == 0;
-            for (int64_t m0 = s0; m0 < s1; m0 += 6) {
-                int R = s1 - m0 < 6 ? (int)(s1 - m0) : 6;
-                const float *a = in + m0 * K + k0;
-                float *o = out + m0 * N;
-                /* the set's first group prefetches the next pass, the block at columns n0 its rows in address
-                   order from n0 * KC on: all the blocks together cover them once, and memory sees one steady
-                   sequential stream (the other groups find the pass in cache) */
-                const float *next = m0 == s0 && kn == KC ? wk + KC * N : NULL;
-                int64_t n0 = 0;
-#define PF(n0) (next ? next + (n0) * KC : NULL)
-                for (; n0 + 64 <= N; n0 += 64) few_rows_cols(a, K, wk + n0, N, kn, first, R, 4, PF(n0), o + n0);
-                for (; n0 + 32 <= N; n0 += 32) few_rows_cols(a, K, wk + n0, N, kn, first, R, 2, PF(n0), o + n0);
-                for (; n0 + 16 <= N; n0 += 16) few_rows_cols(a, K, wk + n0, N, kn, first, R, 1, PF(n0), o + n0);
-#undef PF
-            }
-        }
-    }
+    flood_rows_walk(in, sizeof(float), M, K, w, sizeof(float), N, out, few_rows_cols);
 }
 #else
 /* Without AVX-512: few rows (M <= MB, a decode step's share of one expert) sweep each weight row from start to end,
@@ -203,6 +175,43 @@ static void rows_gemm(const float *in, int64_t M, int64_t K, const float *w, int
     else small_gemm(in, M, K, w, N, out);
 }
 #endif
+
+/* The walk of rows_gemm and of the bfloat16 products (internal.h). Rows go in sets of up to SET_ROWS: within a
+   set, each pass of FLOOD_PASS_ROWS weight rows serves every group of 6 rows before the next pass, so the weights
+   are read from memory once per set (an expert of Ling-lite is 11.5 MB of gate and up weights, far more than the
+   caches keep: group by group it would be read once per 6 rows), while the set's partial sums (SET_ROWS x N
+   floats, a few hundred KB at most) stay in L2. The set's first group also prefetches the next pass: the block
+   at columns n0 its rows in address order from n0 * FLOOD_PASS_ROWS on, so all the blocks together cover them
+   once and memory sees one steady sequential stream (the other groups find the pass in cache). Walking blocks of
+   columns without the prefetch showed memory pieces of rows 1 KB apart and read them at under half the read
+   bandwidth (bench/flood_expert_kernel.py: 9.1 against 5.9 ms for the tiny MoE's decode step). */
+#define SET_ROWS 24
+void flood_rows_walk(const void *in, size_t in_size, int64_t M, int64_t K, const void *w, size_t w_size, int64_t N,
+                     float *out, flood_block_fn block) {
+    const char *a0 = (const char *)in, *w0 = (const char *)w;
+    for (int64_t s0 = 0; s0 < M; s0 += SET_ROWS) {
+        int64_t s1 = M - s0 < SET_ROWS ? M : s0 + SET_ROWS;
+        for (int64_t k0 = 0; k0 < K; k0 += FLOOD_PASS_ROWS) {
+            int64_t kn = K - k0 < FLOOD_PASS_ROWS ? K - k0 : FLOOD_PASS_ROWS;
+            const char *wk = w0 + (size_t)(k0 * N) * w_size;
+            int first = k0 == 0;
+            for (int64_t m0 = s0; m0 < s1; m0 += 6) {
+                int R = s1 - m0 < 6 ? (int)(s1 - m0) : 6;
+                const char *a = a0 + (size_t)(m0 * K + k0) * in_size;
+                float *o = out + m0 * N;
+                const char *next = m0 == s0 && kn == FLOOD_PASS_ROWS ? wk + (size_t)(FLOOD_PASS_ROWS * N) * w_size : NULL;
+                int64_t n0 = 0;
+#define AT(n0) (wk + (size_t)(n0) * w_size)
+#define PF(n0) (next ? next + (size_t)((n0) * FLOOD_PASS_ROWS) * w_size : NULL)
+                for (; n0 + 64 <= N; n0 += 64) block(a, K, AT(n0), N, kn, first, R, 4, PF(n0), o + n0);
+                for (; n0 + 32 <= N; n0 += 32) block(a, K, AT(n0), N, kn, first, R, 2, PF(n0), o + n0);
+                for (; n0 + 16 <= N; n0 += 16) block(a, K, AT(n0), N, kn, first, R, 1, PF(n0), o + n0);
+#undef AT
+#undef PF
+            }
+        }
+    }
+}
 
 /* Dot product in a fixed order: LANES independent partial sums (which the compiler maps onto vector lanes),
    then summed pairwise, then the tail. */
