@@ -173,6 +173,64 @@ def test_eos_stops_a_request(model):
     assert res.finish_reason == "stop" and res.token_ids == free[0].token_ids[: first + 1]
 
 
+def _one(model, prompt, sampling, eos):
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024), eos_ids=[eos])
+    return next(iter(engine.generate([GenRequest(key=0, prompt_ids=prompt, sampling=sampling)])))
+
+
+def test_ignore_eos_and_min_tokens_hold_the_end_of_sequence_back_as_vllm_does(model):
+    ps = prompts(1, seed=15)
+    free, _, _ = run(model, ps)
+    eos = free[0].token_ids[0]  # the first greedy token, made the end-of-sequence token
+    assert _one(model, ps[0], GREEDY, eos).token_ids == [eos]  # stops at once
+    ignoring = _one(model, ps[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), eos)
+    assert ignoring.finish_reason == "length" and ignoring.token_ids == free[0].token_ids
+    # min_tokens: the token is masked for the first 3, so the answer starts with the runner-up
+    held = _one(model, ps[0], SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3), eos)
+    assert len(held.token_ids) >= 3 and eos not in held.token_ids[:3]
+    assert held.finish_reason == "length" or (held.finish_reason == "stop" and held.token_ids[-1] == eos)
+
+
+def test_min_tokens_holds_stop_strings_back_too(model):
+    """A stop string only counts from min_tokens on (vLLM checks stops only then): with a stop check that
+    matches anything, the answer has exactly min_tokens tokens."""
+    ps = prompts(1, seed=16)
+    engine = Engine.local(model, EngineConfig(kv_cache_tokens=1024), stop_check=lambda ids, stops: "")
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, stop=["x"], min_tokens=4)
+    res = next(iter(engine.generate([GenRequest(key=0, prompt_ids=ps[0], sampling=sampling)])))
+    assert (res.finish_reason, len(res.token_ids)) == ("stop", 4)
+
+
+def test_penalties_change_greedy_answers_and_stay_batch_invariant(model):
+    """repetition_penalty discourages every token already seen: a greedy answer that repeats a token changes,
+    and a request's answer is the same alone and in a batch (the penalties use its own tokens only)."""
+    ps = prompts(8, seed=21)
+    plain, _, _ = run(model, ps)
+    strong = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=5.0)
+    together, _, _ = run(model, ps, strong)
+    assert any(together[i].token_ids != plain[i].token_ids for i in range(8))
+    repeats = sum(len(r.token_ids) - len(set(r.token_ids)) for r in together.values())
+    assert repeats < sum(len(r.token_ids) - len(set(r.token_ids)) for r in plain.values())
+    for i in (0, 5):
+        alone, _, _ = run(model, [ps[i]], strong)
+        assert alone[0].token_ids == together[i].token_ids
+    presence = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+    pres, _, _ = run(model, ps[:2], presence)
+    assert pres[0].token_ids[0] == plain[0].token_ids[0]  # nothing in the output yet: the first token is the same
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely_and_a_seed_repeats_it(model):
+    ps = prompts(4, seed=22)
+    greedy, _, _ = run(model, ps)
+    # min_p=1 keeps the most likely token alone: sampling then gives the greedy answer
+    only_top, _, _ = run(model, ps, SamplingParams(max_tokens=12, temperature=1.0, min_p=1.0, seed=3))
+    assert all(only_top[i].token_ids == greedy[i].token_ids for i in range(4))
+    loose = SamplingParams(max_tokens=12, temperature=1.5, min_p=0.05, seed=3)
+    a, _, _ = run(model, ps, loose)
+    b, _, _ = run(model, list(reversed(ps)), loose)
+    assert all(a[i].token_ids == b[3 - i].token_ids for i in range(4))
+
+
 def test_context_limit_and_bad_prompts_are_reported_per_request(model):
     limit = model.config.max_position_embeddings
     reqs = [

@@ -161,6 +161,25 @@ def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any])
     _ok(_batch_form(COMPLETIONS, prompt="x", **fields))
 
 
+def test_vllms_sampling_fields_are_read_and_null_means_the_default() -> None:
+    fields = dict(
+        min_p=0.05, min_tokens=3, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=2
+    )
+    s = _ok(_batch_form(COMPLETIONS, prompt="x", max_tokens=8, **fields)).sampling
+    assert (s.min_p, s.min_tokens, s.ignore_eos) == (0.05, 3, True)
+    assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.3, -0.5, 2.0)
+    d = _ok(_batch_form(CHAT, messages=[{"role": "user", "content": "hi"}], **{k: None for k in fields})).sampling
+    assert (d.min_p, d.min_tokens, d.ignore_eos, d.repetition_penalty, d.frequency_penalty, d.presence_penalty) == (
+        0.0,
+        0,
+        False,
+        1.0,
+        0.0,
+        0.0,
+    )
+    assert not d.penalised and s.penalised
+
+
 # --- rejections -------------------------------------------------------------------------------------------
 
 _MSG = [{"role": "user", "content": "hi"}]
@@ -194,8 +213,20 @@ _MSG = [{"role": "user", "content": "hi"}]
         (_batch_form(CHAT, messages=_MSG, functions=[{"name": "f"}]), "functions="),
         (_batch_form(CHAT, messages=_MSG, response_format={"type": "json_object"}), "response_format="),
         (_batch_form(COMPLETIONS, prompt="x", logit_bias={"1": 5}), "logit_bias="),
-        (_batch_form(COMPLETIONS, prompt="x", presence_penalty=0.5), "presence_penalty=0.5"),
-        (_batch_form(COMPLETIONS, prompt="x", frequency_penalty=1), "frequency_penalty=1"),
+        (_batch_form(COMPLETIONS, prompt="x", presence_penalty=2.5), "presence_penalty must be a number from -2 to 2"),
+        (_batch_form(COMPLETIONS, prompt="x", frequency_penalty="1"), "frequency_penalty must be a number"),
+        (_batch_form(COMPLETIONS, prompt="x", repetition_penalty=0), "repetition_penalty must be above 0"),
+        (_batch_form(COMPLETIONS, prompt="x", min_p=1.5), "min_p must be a number from 0 to 1, got 1.5"),
+        (_batch_form(COMPLETIONS, prompt="x", min_tokens=-1), "min_tokens must be an integer >= 0, got -1"),
+        (_batch_form(COMPLETIONS, prompt="x", max_tokens=4, min_tokens=5), "min_tokens=5 must not exceed max_tokens=4"),
+        (_batch_form(COMPLETIONS, prompt="x", ignore_eos="yes"), 'ignore_eos must be true or false, got "yes"'),
+        (
+            _batch_form(COMPLETIONS, prompt="x", stop_token_ids=[2]),
+            "stop_token_ids=[2]: stop_token_ids is not supported",
+        ),
+        (_batch_form(COMPLETIONS, prompt="x", prompt_logprobs=1), "prompt_logprobs=1"),
+        (_batch_form(COMPLETIONS, prompt="x", use_beam_search=True), "use_beam_search=true"),
+        (_batch_form(COMPLETIONS, prompt="x", guided_json={"type": "object"}), "guided decoding is not supported"),
         (_batch_form(COMPLETIONS, prompt="x", model=3), "model must be a string, got 3"),
         (_batch_form(COMPLETIONS, prompt="x", max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
         (_batch_form(COMPLETIONS, prompt="x", max_tokens=2.5), "max_tokens must be an integer >= 1, got 2.5"),

@@ -13,9 +13,11 @@ A bad line never stops the batch: it becomes a ``RequestError`` that names the l
 Validation refuses what the engine could not run, so a bad request fails alone here instead of stopping the
 batch later: text that is not valid Unicode (JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which
 has no UTF-8 form for the tokenizer or the output file) and sampling values too small to compute with.
-Unknown fields are ignored, as vLLM and OpenAI ignore them, so files written for newer APIs still run; known
-fields that would change the answer in a way flood cannot honour (``n``, ``logprobs``, penalties ...) are
-rejected instead of silently giving a different result.
+Unknown fields are ignored, as vLLM and OpenAI ignore them, so files written for newer APIs still run. The
+sampling fields vLLM honours are honoured (``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
+``frequency_penalty``, ``presence_penalty``, with vLLM's ranges); known fields that would change the answer in a
+way flood cannot honour (``n``, ``logprobs``, ``stop_token_ids`` ...) are rejected instead of silently giving a
+different result. docs/flood.md has the table.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ _SHOW_CHARS = 40
 # value down to these floors samples as intended (1e-4 is already indistinguishable from greedy in practice).
 MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1e-6
+# A repetition penalty divides a logit by it: past this a logit of any size is as good as removed, and the
+# bound keeps the product finite.
+MAX_REPETITION_PENALTY = 1e6
 
 # Field -> (does this value ask for something flood does not do, why). null always means "the default".
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -61,8 +66,19 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (bool, "function calling is not supported"),
     "response_format": (lambda v: v is not None and v != {"type": "text"}, "only response_format text is supported"),
     "logit_bias": (bool, "logit_bias is not supported"),
-    "presence_penalty": (bool, "penalties are not supported"),
-    "frequency_penalty": (bool, "penalties are not supported"),
+    "stop_token_ids": (bool, "stop_token_ids is not supported: give stop strings"),
+    "bad_words": (bool, "bad_words is not supported"),
+    "allowed_token_ids": (bool, "allowed_token_ids is not supported"),
+    "guided_json": (bool, "guided decoding is not supported"),
+    "guided_regex": (bool, "guided decoding is not supported"),
+    "guided_choice": (bool, "guided decoding is not supported"),
+    "guided_grammar": (bool, "guided decoding is not supported"),
+    "structured_outputs": (bool, "structured outputs are not supported"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt log probabilities are not returned"),
+    "use_beam_search": (bool, "beam search is not supported"),
+    "length_penalty": (lambda v: v is not None and v != 1, "length_penalty applies to beam search only"),
+    "include_stop_str_in_output": (bool, "the stop string is never included in the output"),
+    "skip_special_tokens": (lambda v: v is False, "special tokens are always skipped in the text"),
 }
 
 # Field -> (default, can the sampler run this value, what the value must be). null means the default.
@@ -73,6 +89,15 @@ _NUMBERS: dict[str, tuple[float, Callable[[float], bool], str]] = {
         f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 2",
     ),
     "top_p": (1.0, lambda x: MIN_TOP_P <= x <= 1, f"a number from {MIN_TOP_P:g} to 1"),
+    "min_p": (0.0, lambda x: 0 <= x <= 1, "a number from 0 to 1"),
+    # vLLM's ranges: any positive repetition penalty, frequency and presence penalties from -2 to 2
+    "repetition_penalty": (
+        1.0,
+        lambda x: 0 < x <= MAX_REPETITION_PENALTY,
+        f"above 0, at most {MAX_REPETITION_PENALTY:g}",
+    ),
+    "frequency_penalty": (0.0, lambda x: -2 <= x <= 2, "a number from -2 to 2"),
+    "presence_penalty": (0.0, lambda x: -2 <= x <= 2, "a number from -2 to 2"),
 }
 
 
@@ -298,13 +323,29 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
         raise _Invalid(f"seed must be a 64-bit integer, got {_show(seed)}")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise _Invalid(f"ignore_eos must be true or false, got {_show(ignore_eos)}")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    elif not _is_int(min_tokens) or min_tokens < 0:
+        raise _Invalid(f"min_tokens must be an integer >= 0, got {_show(min_tokens)}")
+    elif max_tokens is not None and min_tokens > max_tokens:
+        raise _Invalid(f"min_tokens={min_tokens} must not exceed {name}={max_tokens}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=max(top_k, 0),
+        min_p=_number(body, "min_p"),
         seed=seed,
         stop=_stop(body.get("stop")),
+        ignore_eos=bool(ignore_eos),
+        min_tokens=min_tokens,
+        repetition_penalty=_number(body, "repetition_penalty"),
+        frequency_penalty=_number(body, "frequency_penalty"),
+        presence_penalty=_number(body, "presence_penalty"),
     )
 
 

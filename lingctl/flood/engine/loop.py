@@ -344,7 +344,9 @@ class Engine:
         firsts = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
 
         def on_row(seq: Sequence, row: int) -> None:
-            greedy = seq.sampling.greedy or isinstance(seq.state, _Forced)
+            forced = isinstance(seq.state, _Forced)
+            # the argmax of the raw logits is the answer unless a penalty or min_tokens changes the logits
+            greedy = forced or (seq.sampling.greedy and not seq.sampling.penalised and not self._blocked(seq))
             self._on_sample(sched, seq, logits[row], done, greedy_token=firsts[row] if greedy else None)
 
         sched.complete(step, on_row)
@@ -367,12 +369,19 @@ class Engine:
                 if seq.generated >= len(forced.ids):
                     self._finish(sched, seq, done, "length")
                 return
-            token = greedy_token if greedy_token is not None else sample(logits_V, seq.sampling, seq.state)
+            if greedy_token is not None:
+                token = greedy_token
+            else:
+                prompt, output = seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :]
+                token = sample(
+                    logits_V, seq.sampling, seq.state, prompt=prompt, output=output, blocked=self._blocked(seq)
+                )
             seq.tokens.append(token)
             self.stats.generated_tokens += 1
-            if token in self.eos_ids:
+            early = seq.generated < seq.sampling.min_tokens  # (counting this token)
+            if token in self.eos_ids and not seq.sampling.ignore_eos:
                 reason = "stop"
-            elif seq.sampling.stop and self.stop_check is not None:
+            elif seq.sampling.stop and self.stop_check is not None and not early:
                 stop_text = self.stop_check(seq.tokens[seq.prompt_len :], seq.sampling.stop)
                 if stop_text is not None:
                     reason = "stop"
@@ -390,6 +399,13 @@ class Engine:
         if reason is None:
             return
         self._finish(sched, seq, done, reason, stop_text=stop_text)
+
+    def _blocked(self, seq: Sequence) -> list[int]:
+        """The end-of-sequence ids while a request has fewer new tokens than its min_tokens (none when it ignores
+        them anyway), as vLLM's min-tokens processor."""
+        if seq.generated >= seq.sampling.min_tokens or seq.sampling.ignore_eos:
+            return []
+        return sorted(self.eos_ids)
 
     def _score(self, seq: Sequence, forced: _Forced, logits_V: torch.Tensor, argmax: int | None) -> None:
         """Append the next forced token and record its log-probability under these logits."""

@@ -1,8 +1,14 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with a generator owned by the request so its
-tokens never depend on which other requests share the batch."""
+"""Per-request sampling: greedy, temperature, top-k, top-p and min-p, repetition, frequency and presence
+penalties, with a generator owned by the request so its tokens never depend on which other requests share the
+batch.
+
+The order is vLLM's (its v1 sampler): tokens that may not come yet are masked (``min_tokens``), then the penalties
+change the raw logits (so they change greedy answers too), then a greedy request takes the first maximum;
+otherwise temperature, min-p, top-k, top-p, and a draw from the request's generator."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,12 +25,23 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # tokens less likely than min_p x the most likely one are dropped (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # generate past the end-of-sequence token
+    min_tokens: int = 0  # no end-of-sequence token and no stop string before this many new tokens
+    repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or the output so far
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once if the token is in the output
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the penalties change the logits (then greedy is not the argmax of the raw logits)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def request_generator(seed: int | None, fallback_key: str) -> torch.Generator:
@@ -41,15 +58,32 @@ def request_generator(seed: int | None, fallback_key: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
 
-def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from one row of float32 logits. Greedy takes the first maximum; otherwise temperature, then
-    top-k, then top-p (the smallest set of most likely tokens whose mass reaches p), then a draw from the
-    request's generator."""
+def sample(
+    logits_V: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    *,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    blocked: Sequence[int] = (),
+) -> int:
+    """One token from one row of float32 logits, given the request's ``prompt`` and ``output`` token ids so
+    far (for the penalties) and the ids that may not come yet (``blocked``). Greedy takes the first maximum;
+    otherwise temperature, min-p, top-k, top-p (the smallest set of most likely tokens whose mass reaches p), then
+    a draw from the request's generator."""
     import torch
 
+    logits = logits_V.float()
+    if blocked or params.penalised:
+        logits = _penalised(logits.clone(), params, prompt, output)
+        if blocked:
+            logits[torch.tensor(sorted(set(blocked)), dtype=torch.long)] = float("-inf")
     if params.greedy:
-        return int(torch.argmax(logits_V))
-    scaled = logits_V.float() / params.temperature
+        return int(torch.argmax(logits))
+    scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -63,3 +97,26 @@ def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Gene
         mask[order[keep]] = True
         probs = probs.masked_fill(~mask, 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _penalised(
+    logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+) -> torch.Tensor:
+    """vLLM's penalties on raw logits: the repetition penalty divides a positive logit (multiplies a negative
+    one) of every token seen in the prompt or the output; frequency and presence penalties subtract per
+    occurrence in the output and once for being there. Ids past the logits (none from a real model) are
+    ignored."""
+    import torch
+
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*prompt, *output) if 0 <= t < vocab}), dtype=torch.long)
+        if seen.numel():
+            values = logits[seen]
+            p = params.repetition_penalty
+            logits[seen] = torch.where(values > 0, values / p, values * p)
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        ids = torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long)
+        counts = torch.bincount(ids, minlength=vocab).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
