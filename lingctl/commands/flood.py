@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal, get_type_hints
 import typer
 
 from lingctl.commands import flood_eval
-from lingctl.commands.flood_render import answers_to_stdout, command_output, progress, run_summary, stop_after_step
+from lingctl.commands.flood_render import (
+    answers_to_stdout,
+    command_output,
+    plan_lines,
+    progress,
+    run_summary,
+    stop_after_step,
+)
 from lingctl.commands.options import JsonOpt
 from lingctl.core.errors import UsageError
 from lingctl.core.output import Output, to_jsonable
@@ -152,7 +159,10 @@ def run(
             dry_run=dry_run,
         )
         with progress(out_, stop) as on_progress:
-            summary = run_batch(opts, on_progress=on_progress, should_stop=stop)
+            # The plan is a message, said when it is known (stderr, before the load), not after the run.
+            summary = run_batch(
+                opts, on_progress=on_progress, should_stop=stop, on_plan=lambda p: out_.info("\n".join(plan_lines(p)))
+            )
     if to_stdout:
         summary.out = "stdout"
     out_.result(to_jsonable(summary), run_summary(summary))

@@ -66,8 +66,9 @@ def show_progress(view: StatusView, p: Progress) -> None:
 
 
 def run_summary(s: FloodSummary) -> str:
-    """The memory plan, then a dry run's plan of the batch, or what the run did and where it went."""
-    lines = plan_lines(s.plan) if s.plan is not None else []
+    """A dry run's memory plan and plan of the batch, or what the run did and where it went (a real run said
+    its memory plan on stderr when it started)."""
+    lines = plan_lines(s.plan) if s.plan is not None and s.dry_run else []
     if s.dry_run:
         lines.append(
             f"plan: {s.requests} requests ({s.invalid_lines} invalid lines, {s.already_done} already "

@@ -156,7 +156,10 @@ def run_batch(
     *,
     on_progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_plan: Callable[[MemoryPlan], None] | None = None,
 ) -> FloodSummary:
+    """Answer the batch (see the module docstring). ``on_plan`` hears the memory plan of a real run before its
+    weights load, so a log says what the run will hold before it holds it."""
     opts.validate()
     batch = read_batch(opts.batch)
     md, codec, template = _open_model(opts)
@@ -191,6 +194,8 @@ def run_batch(
         plan = _plan(opts, md, requests, summary)
         if output is None:
             return summary
+        if on_plan is not None:
+            on_plan(plan)
         try:
             _generate(opts, md, codec, jobs, requests, plan, output, summary, on_progress, should_stop)
         finally:
