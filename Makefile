@@ -1,17 +1,29 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both build .venv on first use
-# (torch first, pinned through constraints.txt so the CPU wheel is used) and reuse it afterwards.
+# (torch first, pinned through constraints.txt) and reuse it afterwards.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lingctl-installed
 
-.PHONY: demo test lint bench-deps
+# torch comes from the index that matches the machine. On Linux without an NVIDIA GPU: PyTorch's CPU index as well
+# as PyPI, where pip prefers the CPU build (2.13.0+cpu sorts above 2.13.0); PyPI's Linux wheels are the CUDA
+# build, with about 2.8 GB of nvidia-* packages. Elsewhere PyPI's own build: the CUDA one with a GPU, CPU-only on
+# macOS. TORCH_INDEX=URL picks another index (e.g. https://download.pytorch.org/whl/cu126), TORCH_INDEX= none.
+# One retry: an index that cannot be reached (an offline mirror) costs seconds, not minutes of back-off.
+TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo https://download.pytorch.org/whl/cpu)
+TORCH_ARGS  := -c constraints.txt torch $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1)
+
+.PHONY: demo test lint bench-deps torch-args
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_ARGS)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
+
+# What the torch step passes to pip (tests/test_install.py resolves it in a fresh venv).
+torch-args:
+	@echo $(TORCH_ARGS)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

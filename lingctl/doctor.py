@@ -121,7 +121,7 @@ def check_nvml() -> Check:
     try:
         import pynvml
     except ImportError:
-        return Check("gpu", "skip", "nvidia-ml-py not installed")
+        return Check("gpu", "skip", "nvidia-ml-py not installed (pip install lingctl[gpu] on a GPU machine)")
     try:
         pynvml.nvmlInit()
     except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: a CPU machine, which is fine
