@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -42,17 +43,19 @@ def _print_version(value: bool) -> None:
 
 _VERBOSE_HELP = "More logging (-vv for debug)."
 _QUIET_HELP = "Only errors on stderr."
+_LOG_FILE_HELP = "Write log records (-v: one per object copied) to FILE, appended to, instead of stderr."
 
 
 @app.callback()
 def root(
     verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, show_default=False, help=_VERBOSE_HELP)] = 0,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help=_QUIET_HELP)] = False,
+    log_file: Annotated[Path | None, typer.Option("--log-file", metavar="FILE", help=_LOG_FILE_HELP)] = None,
     show_version: Annotated[
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    setup_logging(level_from(verbose, quiet))
+    setup_logging(level_from(verbose, quiet), log_file)
 
 
 app.add_typer(train_app, name="train")
@@ -69,14 +72,16 @@ def _global_flag(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> 
     callback has already run (a group is invoked before its subcommand's arguments are parsed)."""
     if value:
         root_ctx = ctx.find_root()
-        seen = root_ctx.meta.setdefault("lingctl.log_flags", {"verbose": 0, "quiet": False})
+        seen = root_ctx.meta.setdefault("lingctl.log_flags", {"verbose": 0, "quiet": False, "log_file": None})
         if param.name == "verbose":
             seen["verbose"] += value
+        elif param.name == "log_file":
+            seen["log_file"] = value
         else:
             seen["quiet"] = True
         verbose = (root_ctx.params.get("verbose") or 0) + seen["verbose"]
         quiet = bool(root_ctx.params.get("quiet")) or seen["quiet"]
-        setup_logging(level_from(verbose, quiet))
+        setup_logging(level_from(verbose, quiet), seen["log_file"] or root_ctx.params.get("log_file"))
     return value
 
 
@@ -91,6 +96,9 @@ def _global_flag_params() -> list[Any]:
             typer.Option("-v", "--verbose", count=True, show_default=False, help=_VERBOSE_HELP, callback=_global_flag),
         ] = 0,
         quiet: Annotated[bool, typer.Option("-q", "--quiet", help=_QUIET_HELP, callback=_global_flag)] = False,
+        log_file: Annotated[
+            Path | None, typer.Option("--log-file", metavar="FILE", help=_LOG_FILE_HELP, callback=_global_flag)
+        ] = None,
     ) -> None:
         pass
 
@@ -101,14 +109,14 @@ def _global_flag_params() -> list[Any]:
 
 
 def _with_global_flags(command: Any, flags: list[Any] | None = None) -> Any:
-    """Accept the root's -v/-q on every subcommand too (``lingctl babel ls DIR -v``), so they can go anywhere
+    """Accept the root's -v/-q/--log-file on every subcommand too (``lingctl babel ls DIR -v``), so they can go anywhere
     before ``--``. They are real options of each command, so the parser never takes another option's value
     for one, and each command's --help lists them."""
     flags = flags if flags is not None else _global_flag_params()
     for sub in getattr(command, "commands", {}).values():
         _with_global_flags(sub, flags)
         taken = {opt for p in sub.params for opt in [*p.opts, *p.secondary_opts]}
-        if not taken & {"-v", "--verbose", "-q", "--quiet"}:  # a command's own option of that name would win
+        if not taken & {"-v", "--verbose", "-q", "--quiet", "--log-file"}:  # a command's own option would win
             sub.params.extend(flags)
     return command
 

@@ -5,6 +5,8 @@
   sets it). Elsewhere (S3) the journal says whether the object babel wrote there (same ETag) came from a source
   of this size and mtime; an object the journal does not know is asked about with one HEAD (its recorded
   source mtime), so a no-op re-sync of a tree babel copied sends no HEAD at all.
+- ``size_only`` (rclone's ``--size-only``): equal sizes are equal, whatever the times.
+- ``ignore_existing`` (rclone's ``--ignore-existing``): anything already at the destination is left alone.
 - ``checksum``: the CRC64NVME of both sides (a local file's is computed; an S3 object's is the one recorded at
   upload, from the journal while the object is still the one babel wrote, else from a HEAD). Where one side
   has no recorded CRC, equal sizes count as equal.
@@ -28,14 +30,30 @@ class CopyDecision:
     """Whether each source object needs copying, given the destination's listing and the journal's records
     (``known``: destination key -> what babel wrote there). ``heads`` counts the HEAD requests it sent."""
 
-    def __init__(self, src: ObjectStore, dst: ObjectStore, known: dict[str, Done], *, checksum: bool) -> None:
+    def __init__(
+        self,
+        src: ObjectStore,
+        dst: ObjectStore,
+        known: dict[str, Done],
+        *,
+        checksum: bool,
+        size_only: bool = False,
+        ignore_existing: bool = False,
+    ) -> None:
         self.src, self.dst, self.known, self.checksum = src, dst, known, checksum
+        self.size_only, self.ignore_existing = size_only, ignore_existing
         self.heads = 0
         self._lock = threading.Lock()
 
     def needs_copy(self, item: Item, dst: DstEntry | None) -> bool:
-        if dst is None or dst[0] != item.size:
+        if dst is None:
             return True
+        if self.ignore_existing:
+            return False
+        if dst[0] != item.size:
+            return True
+        if self.size_only:
+            return False
         rec = self.known.get(item.key)
         if self.checksum:
             return self._checksums_differ(item, rec, dst)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lingctl.babel.bwlimit import TokenBucket, parse_rate
-from lingctl.babel.filters import parse_shard
+from lingctl.babel.filters import parse_shard, read_files_from
 from lingctl.babel.overlap import check_no_overlap
 from lingctl.babel.preflight import prepare
 from lingctl.babel.sampling import DEFAULT_SAMPLES
@@ -45,6 +45,9 @@ class TransferConfig:
     commit_last: str | None = None
     state_dir: Path | None = None  # None: lingctl's cache directory
     bwlimit: str = "0"  # rclone's form, e.g. "10M" (MiB/s); "0" or "off": no limit
+    size_only: bool = False
+    ignore_existing: bool = False
+    files_from: Path | None = None  # a list of source-relative names: only they are copied (or deleted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,9 @@ def plan_transfer(config: TransferConfig) -> PlannedTransfer:
         commit_last=config.commit_last,
         state_dir=config.state_dir,
         limiter=TokenBucket(rate) if rate else None,
+        size_only=config.size_only,
+        ignore_existing=config.ignore_existing,
+        files_from=read_files_from(config.files_from) if config.files_from is not None else None,
     )
     options.validate()
     p = plan(config.src, config.dst, config.s3)  # one HEAD for an S3 source: is it a single object?

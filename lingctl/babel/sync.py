@@ -87,6 +87,9 @@ class SyncOptions:
     # nothing is listed on either side, and nothing is deleted. None: the whole tree.
     objects: dict[str, str] | None = None
     limiter: TokenBucket | None = None  # --bwlimit: charged with the bytes of every copy
+    size_only: bool = False  # --size-only: equal sizes are equal
+    ignore_existing: bool = False  # --ignore-existing: never replace what DST has
+    files_from: frozenset[str] | None = None  # --files-from: only these keys (and only they may be deleted)
 
     def validate(self) -> None:
         if self.jobs < 1:
@@ -97,6 +100,13 @@ class SyncOptions:
             raise UsageError(f"--max-delete must be >= 0, got {self.max_delete}")
         if self.objects is not None and self.delete:
             raise UsageError("deleting is for whole trees; a copy of single objects never deletes")
+        chosen = [name for name, on in _COMPARE.items() if getattr(self, on)]
+        if len(chosen) > 1:
+            raise UsageError(f"{' and '.join(chosen)} contradict each other: give one way to compare")
+
+
+# How to tell an object needs copying, rclone's options: at most one of them.
+_COMPARE = {"--checksum": "checksum", "--size-only": "size_only", "--ignore-existing": "ignore_existing"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,11 +190,12 @@ class Syncer:
         self.gate = Aimd(opts.jobs)
         self.src: ObjectStore = open_store(src_url, s3, gate=self.gate)
         self.dst: ObjectStore = open_store(dst_url, s3, gate=self.gate)
-        self.filter = KeyFilter(list(opts.include), list(opts.exclude), opts.shard)
+        self.filter = KeyFilter(list(opts.include), list(opts.exclude), opts.shard, opts.files_from)
         self.result = SyncResult(
             source=self.src.describe(), destination=self.dst.describe(), dry_run=opts.dry_run, verify_mode=opts.verify
         )
         self._lock = threading.Lock()
+        self._replacing: dict[str, bool] = {}  # queued keys: whether DST already had them (the -v line says)
         self._fatal: DiskFullError | None = None  # a full disk stops the run: every further write would fail
 
     # -- the run --------------------------------------------------------------------------------------
@@ -272,7 +283,14 @@ class Syncer:
             self._parts = parts
             copies = CopyQueue(objects, self.opts.jobs)
             batches = self._source_batches(stats)  # for single objects, a view of the source under new names
-            decide = CopyDecision(self.src, self.dst, self.journal.all_done(), checksum=self.opts.checksum)
+            decide = CopyDecision(
+                self.src,
+                self.dst,
+                self.journal.all_done(),
+                checksum=self.opts.checksum,
+                size_only=self.opts.size_only,
+                ignore_existing=self.opts.ignore_existing,
+            )
             for batch in batches:
                 self.result.listed_source += len(batch)
                 self.progress("listed", len(batch))
@@ -296,15 +314,20 @@ class Syncer:
                 continue
             checked += 1
             item = Item(e.key, e.size, e.mtime, e.etag)
-            if not decide.needs_copy(item, index.get(e.key)):
+            existing = index.get(e.key)
+            if not decide.needs_copy(item, existing):
                 self.result.skipped += 1
+                log.debug("%s: Unchanged skipping", e.key)
             elif self.opts.dry_run:
                 self.result.would_copy.append(e.key)
                 self.result.would_copy_bytes += e.size
+                log.info("%s: Skipped copy as --dry-run is set (size %d)", e.key, e.size)
             elif self.opts.commit_last and self._is_commit_last(e.key):
                 deferred.append(item)
+                self._replacing[e.key] = existing is not None
             else:
                 self.progress("queued", e.size)
+                self._replacing[e.key] = existing is not None
                 copies.submit(self._copy, item)
         return checked
 
@@ -412,6 +435,9 @@ class Syncer:
             self.result.copied_bytes += item.size
             if self.opts.verify != "none":
                 self.result.verified += 1
+            replaced = self._replacing.pop(item.key, False)
+        # rclone's -v lines, one per object
+        log.info("%s: Copied (%s)", item.key, "replaced existing" if replaced else "new")
         self.progress("copied", 1)
 
     def _failed(self, item: Item, exc: LingctlError) -> None:
@@ -479,3 +505,4 @@ class Syncer:
             self.dst.delete(key)
             self.journal.forget(key)
             self.result.deleted += 1
+            log.info("%s: Deleted", key)

@@ -157,6 +157,18 @@ DstArg = Annotated[
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would change; change nothing.")]
 ChecksumOpt = Annotated[bool, typer.Option("--checksum", "-c", help="Compare CRC64NVME, not size + mtime.")]
+SizeOnlyOpt = Annotated[bool, typer.Option("--size-only", help="Compare sizes only, not modification times.")]
+IgnoreExistingOpt = Annotated[
+    bool, typer.Option("--ignore-existing", help="Leave every object DST already has alone, whatever its size.")
+]
+FilesFromOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--files-from",
+        metavar="FILE",
+        help="Only the source-relative names listed in FILE, one per line ('#' and ';' lines are comments).",
+    ),
+]
 PartSizeOpt = Annotated[
     str | None, typer.Option("--part-size", metavar="SIZE", help="Multipart part size (default: adapts, >= 8MiB).")
 ]

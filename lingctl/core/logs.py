@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
+from lingctl.core.errors import os_error
 from lingctl.core.names import printable
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -34,13 +36,22 @@ class _Printable(logging.Filter):
         return True
 
 
-def setup_logging(level: int = logging.WARNING) -> None:
-    """Log to stderr: Rich formatting on a terminal, plain ``lingctl: LEVEL name: message`` lines otherwise."""
+def setup_logging(level: int = logging.WARNING, log_file: Path | None = None) -> None:
+    """Log to stderr: Rich formatting on a terminal, plain ``lingctl: LEVEL name: message`` lines otherwise.
+    With ``log_file`` (``--log-file``, as rclone's): to that file instead, appended to, one timestamped line per
+    record; the command's one-line error still goes to stderr."""
     root = logging.getLogger("lingctl")
     for old in list(root.handlers):
         root.removeHandler(old)
+        old.close()
     handler: logging.Handler
-    if sys.stderr.isatty():
+    if log_file is not None:
+        try:
+            handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        except OSError as exc:
+            raise os_error(exc, f"--log-file {log_file}") from None
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    elif sys.stderr.isatty():
         from rich.logging import RichHandler
 
         handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)

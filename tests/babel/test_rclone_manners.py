@@ -298,3 +298,77 @@ def test_timeout_and_contimeout_bound_every_request(capsys, tmp_path: Path, monk
         finally:
             for s in fillers:
                 s.close()
+
+
+# -- rclone's selection and comparison flags, -v lines, --log-file, Content-Type -------------------------------
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> Path:
+    for key, data in files.items():
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(data)
+    return root
+
+
+def test_size_only_and_ignore_existing_decide_as_rclone_does(capsys, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "s", {"same.bin": b"x" * 10, "grown.bin": b"y" * 20, "new.bin": b"z"})
+    dst = _tree(tmp_path / "d", {"same.bin": b"o" * 10, "grown.bin": b"o" * 5})
+    os.utime(dst / "same.bin", (1_000_000_000, 1_000_000_000))  # another time: a plain copy would replace it
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "--size-only", "--json")
+    assert code == 0, err
+    assert (dst / "same.bin").read_bytes() == b"o" * 10  # equal sizes: left alone
+    assert (dst / "grown.bin").read_bytes() == b"y" * 20 and (dst / "new.bin").read_bytes() == b"z"
+    (src / "same.bin").write_bytes(b"q" * 99)
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "--ignore-existing")
+    assert code == 0, err
+    assert (dst / "same.bin").read_bytes() == b"o" * 10  # another size, but DST has it: ignored
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "--size-only", "--checksum")
+    assert code == 2 and "contradict" in error_line(err)
+
+
+def test_files_from_limits_what_is_copied_and_what_sync_may_delete(capsys, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "s", {"a.txt": b"a", "d/b.txt": b"b", "c.txt": b"c"})
+    dst = _tree(tmp_path / "d", {"old.txt": b"old", "d/gone.txt": b"g"})
+    listing = tmp_path / "list.txt"
+    listing.write_text("# the two wanted\n  a.txt  \n/d/b.txt\n\n; d/gone.txt is not listed\nd/gone.txt\n")
+    code, _, err = babel(capsys, "sync", str(src), str(dst), "--files-from", str(listing))
+    assert code == 0, err
+    assert (dst / "a.txt").exists() and (dst / "d/b.txt").exists() and not (dst / "c.txt").exists()
+    assert (dst / "old.txt").exists()  # not listed: outside the run, never deleted
+    assert not (dst / "d/gone.txt").exists()  # listed, not in SRC: sync deletes it
+    bad = tmp_path / "bad.txt"
+    bad.write_text("a.txt\n../etc/passwd\n")
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "--files-from", str(bad))
+    assert code == 2 and "bad.txt:2" in error_line(err)
+
+
+def test_verbose_logs_one_line_per_object_and_log_file_takes_them(capsys, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "s", {"a.txt": b"a", "b.txt": b"b"})
+    dst = _tree(tmp_path / "d", {"b.txt": b"old b", "x.txt": b"extra"})
+    log = tmp_path / "babel.log"
+    log.write_text("an earlier line\n")
+    code, _, err = babel(capsys, "sync", str(src), str(dst), "-v", "--log-file", str(log))
+    assert code == 0, err
+    text = log.read_text()
+    assert text.startswith("an earlier line\n")  # appended to, as rclone does
+    assert "a.txt: Copied (new)" in text and "b.txt: Copied (replaced existing)" in text
+    assert "x.txt: Deleted" in text
+    assert "Copied" not in err  # the records went to the file, not stderr
+    (src / "c.txt").write_bytes(b"c")
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "-v")
+    assert code == 0 and "c.txt: Copied (new)" in err and "a.txt: Copied" not in err
+    code, _, err = babel(capsys, "copy", str(src), str(dst), "--log-file", str(tmp_path / "no" / "dir" / "x.log"))
+    assert code != 0 and "--log-file" in error_line(err)
+
+
+def test_uploads_carry_a_content_type_from_the_name(capsys, tmp_path: Path, s3_env, s3_bucket: str) -> None:
+    src = _tree(tmp_path / "s", {"p.png": b"\x89PNG", "n.json": b"{}", "r.txt": b"t", "w.safetensors": b"0"})
+    code, _, err = babel(capsys, "copy", str(src), f"s3://{s3_bucket}/ct")
+    assert code == 0, err
+    client = make_client(S3Options(endpoint_url=s3_env["AWS_ENDPOINT_URL"]))
+    types = {
+        k: client.head_object(Bucket=s3_bucket, Key=f"ct/{k}")["ContentType"] for k in ("p.png", "n.json", "r.txt")
+    }
+    assert types == {"p.png": "image/png", "n.json": "application/json", "r.txt": "text/plain"}
+    unknown = client.head_object(Bucket=s3_bucket, Key="ct/w.safetensors")["ContentType"]
+    assert unknown == "application/octet-stream"

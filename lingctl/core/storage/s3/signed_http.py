@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import mimetypes
 import os
 import re
 from collections.abc import Mapping
@@ -234,7 +235,7 @@ class SignedS3Client:
         """Write ``body`` as the whole object ``key`` with user ``metadata`` (``x-amz-meta-NAME``: ASCII names
         and values); with ``checksum_crc64nvme_b64`` the server checks the body against it and keeps it.
         No ``Expect: 100-continue``: the body is sent right behind the headers."""
-        headers = {"Content-Length": str(memoryview(body).nbytes)}
+        headers = {"Content-Length": str(memoryview(body).nbytes), "Content-Type": content_type(key)}
         if checksum_crc64nvme_b64 is not None:
             headers["x-amz-checksum-crc64nvme"] = checksum_crc64nvme_b64
         if content_md5_b64 is not None:  # the server refuses (400 BadDigest) a body whose MD5 differs
@@ -251,6 +252,7 @@ class SignedS3Client:
     def create_multipart(self, key: str, *, metadata: Mapping[str, str]) -> str:
         """CreateMultipartUpload with user ``metadata``; the new upload's id."""
         headers = {META_PREFIX + name: value for name, value in _checked_metadata(metadata).items()}
+        headers["Content-Type"] = content_type(key)
         resp = self._send("POST", "CreateMultipartUpload", key, headers, None, query="uploads=")
         found = _UPLOAD_ID_RE.search(resp.data.decode("utf-8", errors="replace"))
         if found is None:
@@ -379,6 +381,17 @@ def _range_limit(part: int, whole: int) -> http_wire.Limit:
         return part if "Content-Range" in answer else whole
 
     return limit
+
+
+# Python's built-in table only (not the machine's /etc/mime.types), so a key gets the same type everywhere.
+_MIME = mimetypes.MimeTypes(filenames=())
+
+
+def content_type(key: str) -> str:
+    """The Content-Type an object is stored with, from its name's extension as rclone does (``a.png``:
+    ``image/png``); ``application/octet-stream`` for names the table does not know."""
+    kind, _ = _MIME.guess_type(key.rsplit("/", 1)[-1], strict=False)
+    return kind or "application/octet-stream"
 
 
 def _checked_metadata(metadata: Mapping[str, str]) -> Mapping[str, str]:
