@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -26,7 +27,7 @@ from lingctl.commands.train_options import (
 from lingctl.commands.train_render import TrainView, render_result, result_json
 from lingctl.core.errors import Interrupted
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
-from lingctl.core.output import Output
+from lingctl.core.output import Output, to_jsonable
 from lingctl.runs.train_config import TrainConfig
 
 _STOPPING = "stopping after this step; saving a checkpoint (interrupt again to abort)"
@@ -61,6 +62,14 @@ def train(
     region: RegionOpt = None,
     profile: ProfileOpt = None,
     path_style: PathStyleOpt = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            "-n",
+            help="Print the memory plan per worker and whether it fits; start nothing, write nothing.",
+        ),
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Train a Ling-style MoE (fine-grained + shared experts, dropless routing), on one process or several workers.
@@ -73,6 +82,9 @@ def train(
     `lingctl train plot RUN` draws a run's curves.
     """
     if ctx.invoked_subcommand is not None:
+        return
+    if dry_run:
+        _dry_run(Output(json), settings, sets, config, nproc)
         return
     if nproc > 1 and "RANK" not in os.environ:
         raise typer.Exit(_launch(nproc, max_restarts, hang_timeout, out=out, cache_dir=cache_dir, settings=settings))
@@ -102,6 +114,18 @@ def train(
     if result.stopped == "interrupted":
         hint = f"continue with: lingctl train --resume --out {result.run_dir}"
         raise Interrupted(f"interrupted at step {result.steps}; checkpoint saved", hint=hint)
+
+
+def _dry_run(out: Output, settings: Settings, sets: list[str] | None, config: Path | None, nproc: int) -> None:
+    """The run's memory plan (as a real run checks it before writing anything); a refusal when it does not fit."""
+    from lingctl.core.config import parse_override
+    from lingctl.train.run import plan_run
+
+    overrides = {**settings, **dict(parse_override(item) for item in sets or [])}
+    plan = plan_run(overrides=overrides, config_file=config, workers=nproc)
+    out.result({**to_jsonable(plan), "fits": plan.fits}, "\n".join(plan.lines()))
+    if not plan.fits:
+        raise plan.refusal()
 
 
 def _launch(

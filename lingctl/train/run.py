@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
@@ -13,6 +14,7 @@ from lingctl.core.config import build, from_mapping, load_toml, to_dict
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.storage import S3Options
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
+from lingctl.model.presets import preset
 from lingctl.runs.layout import METRICS, PLOT, default_run_dir
 from lingctl.runs.records import Record, read_records
 from lingctl.runs.settings import reset, top_level
@@ -20,8 +22,9 @@ from lingctl.runs.train_config import TrainConfig, parse_saved
 from lingctl.train import report
 from lingctl.train.data import resolve_sources
 from lingctl.train.local_sgd import LocalSgdTrainer
+from lingctl.train.memory_plan import TrainMemoryPlan, plan_training
 from lingctl.train.plot import plot_metrics
-from lingctl.train.resolved import check_model_changes, check_preset_shape
+from lingctl.train.resolved import check_model_changes, check_preset_shape, model_config, resolve
 from lingctl.train.rundir import RunDir
 from lingctl.train.sources import InitSource, open_init_source
 from lingctl.train.trainer import Trainer, TrainResult
@@ -114,6 +117,11 @@ def train(
     if workers.restarts > 0:
         _no_drills(config)
     init = _init_source(config, explicit) if latest is None else None
+    # Refused before the run writes anything (the reporter below makes files): a run that cannot fit dies late
+    # otherwise, with the allocator's error and a run directory behind it.
+    plan = _memory_plan(config, init, workers=int(os.environ.get("LOCAL_WORLD_SIZE", workers.world)))
+    if not plan.fits:
+        raise plan.refusal()
     if config.data.paths:
         resolve_sources(config.data.paths)  # a missing data path is refused now, not after the start-up line
     # Rank 0 reports for the job (its records are the run's); the other workers never open a writer.
@@ -136,6 +144,23 @@ def train(
         if reporter is not None:
             reporter.close()
         stop_workers(workers)
+
+
+def plan_run(*, overrides: Mapping[str, Any], config_file: Path | None = None, workers: int = 1) -> TrainMemoryPlan:
+    """``train --dry-run``: the memory plan of the run these settings describe, from the preset (or the
+    ``--init-from`` checkpoint's config) alone: no data is read, nothing is written, no worker starts."""
+    explicit = {k: v for k, v in overrides.items() if v is not None}
+    config = build(TrainConfig, file=config_file, section="train" if config_file else None, overrides=explicit)
+    return _memory_plan(config, _init_source(config, explicit), workers=workers)
+
+
+def _memory_plan(config: TrainConfig, init: InitSource | None, *, workers: int) -> TrainMemoryPlan:
+    r = resolve(config)
+    vocab = r.vocab_size or preset(config.preset).vocab_size
+    shape = model_config(
+        config, vocab_size=vocab, eos_id=0, seq_len=r.seq_len, init=init.config if init is not None else None
+    )
+    return plan_training(shape, batch_size=r.batch_size, seq_len=r.seq_len, dtype=config.dtype, workers=workers)
 
 
 def _run_dir(
@@ -194,6 +219,12 @@ def _train(trainer: Trainer, started: float) -> TrainResult:
         ) from None
     except RuntimeError as exc:
         text = str(exc).lower()
+        if "can't allocate memory" in text or "out of memory" in text:  # torch's allocator, not Python's
+            raise LingctlError(
+                "out of memory: " + str(exc).splitlines()[0][:200],
+                hint="lower --batch-size or --seq-len, or choose a smaller preset (lingctl train --dry-run shows the "
+                "plan); checkpoints already written are kept",
+            ) from None
         if workers.distributed and ("closed by peer" in text or "connection reset" in text):
             raise LingctlError(
                 f"worker {workers.rank}: another worker stopped during a collective",
