@@ -10,6 +10,7 @@ import typer
 from lingctl.commands.options import JsonOpt
 from lingctl.commands.pcache_render import render_plan
 from lingctl.core.output import Output, to_jsonable
+from lingctl.core.units import parse_size
 
 _PRESETS = "tiny, small, ling-lite, ling-plus"
 
@@ -73,17 +74,35 @@ OptimizerOpt = Annotated[
         help="Optimizer state saved with the model: adamw, sgd or none (default adamw).",
     ),
 ]
+
+
+def _mib(text: str) -> float:
+    """MiB from a bare number (MiB, as the option's name says) or a size with its unit (64MiB, 1G, 500MB), as
+    lingctl's other size options take them."""
+    try:
+        return float(text)
+    except ValueError:
+        return parse_size(text) / 2**20
+
+
 ChunkMbOpt = Annotated[
     float | None,
     typer.Option(
         "--chunk-mb",
-        metavar="MIB",
-        help="The lingctl plan cuts larger items into row ranges of at most this many MiB (default 64).",
+        metavar="SIZE",
+        parser=_mib,
+        help="The lingctl plan cuts larger items into row ranges of at most this size: MiB, or a size with its unit "
+        "such as 64MiB or 1G (default 64).",
     ),
 ]
 BufferMbOpt = Annotated[
     float | None,
-    typer.Option("--buffer-mb", metavar="MIB", help="Staging buffer of the lingctl writer per rank, MiB (default 64)."),
+    typer.Option(
+        "--buffer-mb",
+        metavar="SIZE",
+        parser=_mib,
+        help="Staging buffer of the lingctl writer per rank: MiB, or a size with its unit (default 64).",
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None,

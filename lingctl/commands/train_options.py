@@ -29,7 +29,12 @@ Settings = dict[str, Any]  # dotted setting name -> the value given on the comma
 
 OutOpt = Annotated[
     str | None,
-    typer.Option("--out", "-o", help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME)."),
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help="Run directory, local or s3://bucket/prefix (default: runs/PRESET-TIME).",
+    ),
 ]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")]
 AdoptOpt = Annotated[
@@ -45,6 +50,7 @@ CacheDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--cache-dir",
+        metavar="DIR",
         help="Node-local fast disk for s3:// runs: checkpoints land here and upload in the "
         "background (default: ~/.cache/lingctl/runs).",
     ),
@@ -54,6 +60,7 @@ NprocOpt = Annotated[
     typer.Option(
         "--nproc",
         min=1,
+        metavar="N",
         help="Workers on this machine, started by torch.distributed.run (torchrun); on many "
         "machines run 'torchrun ... -m lingctl train' instead.",
     ),
@@ -63,6 +70,7 @@ MaxRestartsOpt = Annotated[
     typer.Option(
         "--max-restarts",
         min=0,
+        metavar="N",
         help="With --nproc: restart all workers from the last checkpoint this many times after one crashes "
         "or the job hangs (never after bad settings or a stop) [default: 3 with the watchdog, else 0].",
     ),
@@ -77,7 +85,7 @@ HangTimeoutOpt = Annotated[
         "[default: max(25s, 10 x the median step), at least 2 x the longest checkpoint save].",
     ),
 ]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with a [train] table.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE", help="TOML file with a [train] table.")]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -140,14 +148,27 @@ def _annotation(kind: Any, s: Setting, shown: str | bool) -> Any:
     """``Annotated[T | None, typer.Option(...)]`` for a setting of type ``kind`` (None: not given)."""
     assert s.flag is not None
     decls = [s.flag, *([s.short] if s.short else [])]
+    text = s.help.replace("{duration}", DURATION_FORMS) if s.help else ""
+    # The default in the help text itself: the option's own default is None (not given), which click would show
+    # in parentheses.
+    if shown is not False:
+        text = f"{text}  [default: {shown}]".strip()
     option = typer.Option(
         *decls,
-        help=s.help.replace("{duration}", DURATION_FORMS) if s.help else None,
-        metavar=s.metavar,
+        help=text or None,
+        metavar=s.metavar or _metavar(kind),
         parser=duration if s.duration else None,
-        show_default=shown,
+        show_default=False,
     )
     return Annotated[_optional(kind), option]
+
+
+def _metavar(kind: Any) -> str | None:
+    """What --help shows for a value of ``kind`` (choices of a Literal are shown by click itself)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # T | None
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+    base = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+    return {int: "N", float: "NUMBER", str: "TEXT", Path: "PATH"}.get(base)
 
 
 def _optional(kind: Any) -> Any:

@@ -75,6 +75,7 @@ class DataConfig:
         default_factory=list,
         flag="--data",
         short="-d",
+        metavar="PATH",
         help="Text files, directories, globs or JSONL ('text' field); repeatable. "
         "Default: the Python standard library's sources.",
     )
@@ -207,7 +208,9 @@ def _drill(default: Any = None, *, help: str | None = None, **meta: Any) -> Any:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    preset: str = setting("small", flag="--preset", short="-p", help=f"Model shape: {', '.join(PRESETS)}.")
+    preset: str = setting(
+        "small", flag="--preset", short="-p", metavar="|".join(PRESETS), help=f"Model shape: {', '.join(PRESETS)}."
+    )
     # Changes to the preset's model shape, with config.json names: {num_hidden_layers = 2}.
     model: dict[str, Any] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)

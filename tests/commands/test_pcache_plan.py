@@ -77,6 +77,11 @@ def test_items_lists_every_write():
     assert first["name"] == "model.word_embeddings.weight[0:4096]" and first["holders"] == 2
 
 
+def test_size_options_take_units_as_the_other_size_options_do():
+    assert plan_json("--chunk-mb", "0.5")["chunk_bytes"] == plan_json("--chunk-mb", "512KiB")["chunk_bytes"] == 2**19
+    assert plan_json("--buffer-mb", "1G")["buffer_bytes"] == 2**30
+
+
 def test_human_table():
     result = invoke(*BASE, "--node-bandwidth", "2,1")
     assert result.exit_code == 0, result.output
