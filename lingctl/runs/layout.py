@@ -47,6 +47,8 @@ INCIDENT_DIR = "incidents"
 INCIDENT_FILES = (INCIDENTS, INCIDENT_DIR)
 # Written at the end of a local run when the name is free (``lingctl train plot``'s default output).
 PLOT = "loss.png"
+# Where --report-to tensorboard and wandb write, inside the run directory.
+REPORT_DIRS = ("tensorboard", "wandb")
 
 _CHECKPOINT = re.compile(r"checkpoints/step-(\d{8})")
 
@@ -81,7 +83,13 @@ def checkpoint_step(name: str) -> int | None:
 
 def is_layout_name(name: str) -> bool:
     """Whether ``name`` is one lingctl creates in a run directory (and so may appear in a manifest)."""
-    return name in RUN_FILES or name in INCIDENT_FILES or name == PLOT or checkpoint_step(name) is not None
+    return (
+        name in RUN_FILES
+        or name in INCIDENT_FILES
+        or name == PLOT
+        or name in REPORT_DIRS
+        or checkpoint_step(name) is not None
+    )
 
 
 @dataclass(kw_only=True, slots=True)

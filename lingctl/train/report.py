@@ -147,6 +147,11 @@ class WandbReporter(Reporter):
             self._run.finish()
 
 
+def report_dir_name(kind: str) -> str:
+    """The directory a reporter of ``kind`` writes in the run directory."""
+    return TENSORBOARD_DIR if kind == "tensorboard" else kind  # wandb keeps its files in wandb/
+
+
 def open_reporter(kind: str, local_run_dir: Path, *, name: str, config: Mapping[str, Any]) -> Reporter | None:
     """The reporter for ``kind`` (``none``: None). Call :func:`require` first for a one-line error."""
     if kind == "tensorboard":

@@ -130,6 +130,11 @@ class RunDir:
         for place in self._places():
             place.claim(INCIDENT_FILES)
 
+    def claim_report_dir(self, name: str) -> None:
+        """List the directory a reporter writes into (``tensorboard/``, ``wandb/``) as the run's before it does."""
+        for place in self._places():
+            place.claim([name])
+
     def fetch_for_resume(self, latest: dict[str, Any], *, last_step: int, main: bool = True) -> None:
         """Bring the committed checkpoint, tokenizer and metrics into the local directory. ``main``: this
         process writes the run's own files (the other workers only read, or fill their node's staging)."""

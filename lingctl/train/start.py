@@ -27,6 +27,7 @@ from lingctl.model.ling import LingForCausalLM
 from lingctl.model.tokenizer import save_tokenizer
 from lingctl.runs.train_config import OptimConfig, TrainConfig
 from lingctl.train.dataset import PreparedData, prepare_data
+from lingctl.train.report import report_dir_name
 from lingctl.train.resolved import Resolved
 from lingctl.train.rundir import RunDir
 from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
@@ -118,6 +119,8 @@ def shared_data(start: RunStart, config: TrainConfig, res: Resolved, run: RunDir
         save_tokenizer(data.tokenizer, run.local / TOKENIZER)
         run.publish([TOKENIZER])
         workers.broadcast(data.tokenizer.to_str())
+    if workers.is_main and config.report_to != "none":  # the manifest lists every name lingctl creates
+        run.claim_report_dir(report_dir_name(config.report_to))
     workers.barrier()
     return data
 

@@ -38,6 +38,8 @@ def _metrics(run: Path) -> list[dict]:
 
 def test_tensorboard_event_files_hold_the_runs_losses_and_expert_load(tb_run):
     run, res = tb_run
+    # the manifest lists every name lingctl created in the run directory, the reporter's directory too
+    assert "tensorboard" in json.loads((run / "lingctl-run.json").read_text())["entries"]
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     losses = [r["loss"] for r in _metrics(run) if r["event"] == "step"]
