@@ -162,6 +162,16 @@ def test_write_table_writes_one_row_per_checkpoint_and_task_and_notes_the_drops(
     assert "yes" not in csv_path.read_text() and "No score fell" in md_path.read_text()
 
 
+def test_accuracy_axes_never_go_below_zero_or_above_one() -> None:
+    from lingctl.flood.eval.report import _accuracy_range
+
+    assert _accuracy_range([generate(0.0, se=0.0), generate(0.0, se=0.0)]) == (0.0, 0.05)  # all zero: no negative ticks
+    assert _accuracy_range([generate(0.0), generate(0.0)])[0] == 0.0  # error bars below 0 are cut at 0
+    assert _accuracy_range([choice(1.0, norm=1.0)])[1] == 1.0
+    lo, hi = _accuracy_range([choice(0.40, norm=0.42), choice(0.45, norm=0.47)])
+    assert 0.0 < lo < 0.40 and 0.47 < hi < 1.0  # a tight range keeps its detail
+
+
 def test_plot_scores_writes_a_png_matplotlib_reads_back(tmp_path: Path) -> None:
     import matplotlib.image
 

@@ -298,6 +298,20 @@ def plot_scores(points: Sequence[CheckpointScores], drops: Sequence[Drop], path:
     return Path(path)
 
 
+def _accuracy_range(scores: Sequence[Any]) -> tuple[float, float]:
+    """The y range of a task's panel: its scores and error bars, never past 0 or 1 (an accuracy axis with
+    negative ticks, as matplotlib draws around all-zero scores, reads as nonsense), at least 0.05 tall."""
+    values = [t.acc for t in scores] + [t.acc_norm for t in scores if t.acc_norm is not None]
+    lows = [t.acc - t.acc_stderr for t in scores] + [min(values)]
+    highs = [t.acc + t.acc_stderr for t in scores] + [max(values)]
+    lo, hi = max(0.0, min(lows)), min(1.0, max(highs))
+    pad = max(0.02, 0.1 * (hi - lo))
+    lo, hi = max(0.0, lo - pad), min(1.0, hi + pad)
+    if hi - lo < 0.05:
+        lo, hi = (0.0, 0.05) if lo < 0.025 else (min(lo, 0.95), min(1.0, lo + 0.05))
+    return lo, hi
+
+
 def _plot_task(
     ax: Any,
     task: str,
@@ -340,6 +354,7 @@ def _plot_task(
     ax.set_title(f"{task} ({s[-1].kind}, {s[-1].items} items)", fontsize=10)
     ax.set_xlabel(x_label)
     ax.set_ylabel("accuracy")
+    ax.set_ylim(*_accuracy_range(s))
     if x_label == "training tokens":
         ax.xaxis.set_major_formatter(EngFormatter())
     ax.grid(alpha=0.3)
