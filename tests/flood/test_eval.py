@@ -54,6 +54,13 @@ def evaluate(tasks: list[Path], model: Path | str, out: Path, **kw: Any) -> tupl
     return summary, [json.loads(line) for line in out.read_text().splitlines()]
 
 
+def test_acc_norm_divides_by_characters_as_lm_eval_does() -> None:
+    from lingctl.flood.eval.model import choice_length
+
+    assert choice_length(" 北京") == 2  # characters, not the 6 UTF-8 bytes; the delimiter space not counted
+    assert choice_length("Paris") == 5 and choice_length(" ") == 1
+
+
 def test_choice_scores_are_the_log_likelihood_of_each_choice_under_a_plain_forward_pass(
     text_ckpt, task_files, tmp_path
 ):
@@ -73,7 +80,8 @@ def test_choice_scores_are_the_log_likelihood_of_each_choice_under_a_plain_forwa
             lp = torch.log_softmax(logits, -1)
             want = sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
             worst = max(worst, abs(want - rec["scores"][c]))
-            assert rec["scores_norm"][c] == pytest.approx(rec["scores"][c] / len(choice.encode()))
+            # lm-eval's acc_norm: characters of the choice without the leading delimiter space
+            assert rec["scores_norm"][c] == pytest.approx(rec["scores"][c] / len(choice.removeprefix(" ")))
         assert rec["pred"] == max(range(4), key=lambda i: rec["scores"][i])
         assert rec["correct"] == (rec["pred"] == row["answer"])
     assert worst < 1e-4, worst

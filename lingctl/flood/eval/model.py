@@ -234,7 +234,7 @@ def item_record(p: _Pending) -> dict[str, Any]:
         return {**base, "pred": None, "answer": item.answer, "correct": False, "error": p.error}
     if item.kind == CHOICE:
         scores = [float(s) for s in p.scores if s is not None]
-        norm = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, item.choices, strict=True)]
+        norm = [s / choice_length(c) for s, c in zip(scores, item.choices, strict=True)]
         pred, pred_norm = _argmax(scores), _argmax(norm)
         return {
             **base,
@@ -262,13 +262,20 @@ def item_record(p: _Pending) -> dict[str, Any]:
     }
 
 
+def choice_length(choice: str) -> int:
+    """What acc_norm divides a choice's log-likelihood by, as lm-evaluation-harness does: its length in
+    characters, without one leading space (lm-eval scores ``target_delimiter + choice`` but divides by
+    ``len(choice)``; a task converted from lm-eval carries the delimiter in each choice). At least 1."""
+    return max(1, len(choice) - (1 if choice.startswith(" ") else 0))
+
+
 def _argmax(values: list[float]) -> int:
     """The first index of the largest value (numpy's argmax, as lm-evaluation-harness uses)."""
     return max(range(len(values)), key=lambda i: (values[i], -i))
 
 
 def task_scores(tasks: list[Task], records: list[dict[str, Any]]) -> dict[str, TaskScore]:
-    """Accuracy per task (and per-byte accuracy for multiple choice), with standard errors."""
+    """Accuracy per task (and per-character accuracy for multiple choice), with standard errors."""
     by_task: dict[str, list[dict[str, Any]]] = {t.name: [] for t in tasks}
     for r in records:
         if r["task"] in by_task:

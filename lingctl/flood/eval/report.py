@@ -40,7 +40,7 @@ class TaskScore:
     items: int
     acc: float
     acc_stderr: float  # sample std / sqrt(n), as lm-evaluation-harness reports it
-    acc_norm: float | None = None  # choice tasks: argmax of per-byte log-likelihood
+    acc_norm: float | None = None  # choice tasks: argmax of per-character log-likelihood (lm-eval's acc_norm)
     acc_norm_stderr: float | None = None
 
 
