@@ -10,6 +10,9 @@ A multiple-choice item is scored by the log-likelihood of each choice's *content
 greedily until a stop string, EOS or ``max_tokens``; its answer is the whole stripped text, or the first group
 of ``regex`` (the item's own, else the file-wide ``--regex``), compared exactly with ``answer``.
 
+Rows of HellaSwag, ARC, MMLU, PIQA and GSM8K as their datasets export them are read too, with lm-evaluation-
+harness's prompts (``dataset_rows.py``).
+
 Few-shot prompts are built from the file itself: items marked ``"fewshot": true`` form the pool (and are not
 scored); without such items an item's shots are the first K other items of the file. The same shots precede
 many items, so the engine computes that block once (prefix sharing).
@@ -26,6 +29,7 @@ from typing import Any
 from lingctl.core.errors import UsageError, os_error
 from lingctl.core.jsonl import BadLine, parse_json
 from lingctl.core.names import printable
+from lingctl.flood.eval.dataset_rows import convert_row
 
 CHOICE = "choice"
 GENERATE = "generate"
@@ -129,6 +133,7 @@ def _read_task(path: Path, regex: str | None) -> Task:
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: not a JSON object")
         _check_unicode(obj, where)
+        obj = convert_row(obj, number, where) or obj  # a HellaSwag, ARC, MMLU, PIQA or GSM8K row as exported
         item = _item(obj, name, number, where, regex)
         if kind is None:
             kind = item.kind
