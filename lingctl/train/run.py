@@ -119,9 +119,11 @@ def train(
     init = _init_source(config, explicit) if latest is None else None
     # Refused before the run writes anything (the reporter below makes files): a run that cannot fit dies late
     # otherwise, with the allocator's error and a run directory behind it.
-    plan = _memory_plan(config, init, workers=int(os.environ.get("LOCAL_WORLD_SIZE", workers.world)))
-    if not plan.fits:
-        raise plan.refusal()
+    # (A resumed run that started from a checkpoint has that checkpoint's shape, known once its own is read.)
+    if latest is None or not config.init_from:
+        plan = _memory_plan(config, init, workers=int(os.environ.get("LOCAL_WORLD_SIZE", workers.world)))
+        if not plan.fits:
+            raise plan.refusal()
     if config.data.paths:
         resolve_sources(config.data.paths)  # a missing data path is refused now, not after the start-up line
     # Rank 0 reports for the job (its records are the run's); the other workers never open a writer.
@@ -156,10 +158,12 @@ def plan_run(*, overrides: Mapping[str, Any], config_file: Path | None = None, w
 
 def _memory_plan(config: TrainConfig, init: InitSource | None, *, workers: int) -> TrainMemoryPlan:
     r = resolve(config)
-    vocab = r.vocab_size or preset(config.preset).vocab_size
-    shape = model_config(
-        config, vocab_size=vocab, eos_id=0, seq_len=r.seq_len, init=init.config if init is not None else None
-    )
+    if init is not None:  # the checkpoint's shape (its own tokenizer; the run checks the rest itself later)
+        shape = init.config
+    else:
+        shape = model_config(
+            config, vocab_size=r.vocab_size or preset(config.preset).vocab_size, eos_id=0, seq_len=r.seq_len
+        )
     return plan_training(shape, batch_size=r.batch_size, seq_len=r.seq_len, dtype=config.dtype, workers=workers)
 
 
