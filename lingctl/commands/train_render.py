@@ -139,11 +139,14 @@ def render_result(r: TrainResult, console: Console) -> None:
 
 def render_status(s: RunStatus, console: Console) -> None:
     target = f"/{s.target_steps}" if s.target_steps else ""
+    age = f"{s.last_record_age_s:.0f} s ago" if s.last_record_age_s is not None else ""
     state = (
         "finished"
         if s.finished
-        else f"last record {s.last_record_age_s:.0f} s ago"
-        if s.last_record_age_s is not None
+        else f"stopped ({s.stopped}) {age}, checkpoint saved: lingctl train --resume --out {s.run_dir} continues it"
+        if s.stopped
+        else f"last record {age}"
+        if age
         else "no records"
     )
     loss = f", loss {s.last_loss:.3f}" if s.last_loss is not None else ""

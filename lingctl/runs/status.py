@@ -36,6 +36,7 @@ class RunStatus:
     incidents: dict[str, int] = field(default_factory=dict)  # count by kind
     recent_incidents: list[dict[str, Any]] = field(default_factory=list)  # the last few, without details
     finished: bool = False
+    stopped: str | None = None  # why the last session stopped early ("interrupted", "time limit"), if it did
 
 
 def run_status(run: Path, *, recent: int = 5) -> RunStatus:
@@ -66,4 +67,5 @@ def run_status(run: Path, *, recent: int = 5) -> RunStatus:
         incidents=dict(Counter(str(r.get("kind")) for r in incidents)),
         recent_incidents=[{k: v for k, v in r.items() if k != "details"} for r in incidents[-recent:]],
         finished=target is not None and latest is not None and int(latest["step"]) >= target,
+        stopped=str(records[-1].get("reason")) if records and records[-1].get("event") == "stop" else None,
     )

@@ -247,6 +247,11 @@ class Trainer:
         self._loop_starts()
         try:
             seen, checkpoint, stopped = self._loop()
+            if stopped != "completed":
+                # Why the records end here, for `train status` (a resume drops it with the other records of
+                # its checkpoint's step); not a record the live view or --json shows.
+                record = {"event": "stop", "step": self.checkpoint_step(), "reason": stopped}
+                self.metrics.write({**record, "time": round(time.time(), 3)})
         finally:
             self.metrics.close()
             if self.workers.is_main:

@@ -115,6 +115,11 @@ def test_sigterm_finishes_the_step_saves_and_exits_130(tmp_path, text_corpus):
     saved = json.loads((run / "latest.json").read_text())["step"]
     assert saved >= 3
     assert (run / f"checkpoints/step-{saved:08d}" / "model.safetensors").exists()
+    # train status says the run was stopped, not that it went quiet (which reads like a hang)
+    status = subprocess.run(
+        [sys.executable, "-m", "lingctl", "train", "status", str(run)], capture_output=True, text=True, timeout=60
+    )
+    assert "stopped (interrupted)" in status.stdout and "--resume" in status.stdout, status.stdout
 
 
 def test_an_existing_run_is_never_overwritten_and_resume_refuses_changed_settings(
