@@ -128,9 +128,14 @@ def render_result(r: TrainResult, console: Console) -> None:
     evals = f", eval loss {r.eval_loss:.3f}" if r.eval_loss is not None else ""
     speed = f", {r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s is not None else ""
     wall = f", wall time {format_whole_duration(r.wall_s)}" if r.wall_s is not None else ""
+    if r.resumed_from is not None:
+        # The training time counts every session of the run; the speed and wall time are this session's.
+        timing = f"{r.elapsed_s:.0f} s of training over all sessions; this session{wall.removeprefix(',')}{speed}"
+    else:
+        timing = f"{r.elapsed_s:.0f} s{speed}{wall}"
     console.print(
         f"{r.stopped}: {r.steps}/{r.target_steps} steps, {r.tokens:,} tokens, {loss}{evals}, "
-        f"{r.spikes_skipped} spike(s) skipped, {r.elapsed_s:.0f} s{speed}{wall}",
+        f"{r.spikes_skipped} spike(s) skipped, {timing}",
         markup=False,
     )
     if r.checkpoint:

@@ -120,3 +120,25 @@ def test_wandb_without_the_package_and_a_bogus_backend_are_one_line_errors(lingc
         assert not (tmp_path / "w").exists()  # refused before the run started
     bogus = lingctl(*TINY, "--report-to", "bogus", "--out", str(tmp_path / "b"))
     assert bogus.returncode == 2 and "Traceback" not in bogus.stderr
+
+
+def test_the_summary_of_a_resumed_run_keeps_all_sessions_time_apart_from_this_sessions() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from lingctl.commands.train_render import render_result
+    from lingctl.train.trainer import TrainResult
+
+    common = dict(
+        run_dir="r", steps=20, target_steps=20, tokens=4096, parameters=1, active_parameters=1, first_loss=5.0,
+        last_loss=4.0, eval_loss=None, spikes_skipped=0, lr_drops=0, checkpoint="checkpoints/step-00000020",
+        elapsed_s=420.0, stopped="completed", wall_s=65.0, tokens_per_s=1234.0,
+    )  # fmt: skip
+    text = {}
+    for name, resumed in (("fresh", None), ("resumed", 10)):
+        buf = StringIO()
+        render_result(TrainResult(**common, resumed_from=resumed), Console(file=buf, width=200))
+        text[name] = buf.getvalue()
+    assert "420 s of training over all sessions; this session wall time 1m5s, 1,234 tok/s" in text["resumed"]
+    assert "over all sessions" not in text["fresh"] and "420 s, 1,234 tok/s" in text["fresh"]
