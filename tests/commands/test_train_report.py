@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,7 +131,7 @@ def test_the_summary_of_a_resumed_run_keeps_all_sessions_time_apart_from_this_se
     from lingctl.commands.train_render import render_result
     from lingctl.train.trainer import TrainResult
 
-    common = dict(
+    common: dict[str, Any] = dict(
         run_dir="r", steps=20, target_steps=20, tokens=4096, parameters=1, active_parameters=1, first_loss=5.0,
         last_loss=4.0, eval_loss=None, spikes_skipped=0, lr_drops=0, checkpoint="checkpoints/step-00000020",
         elapsed_s=420.0, stopped="completed", wall_s=65.0, tokens_per_s=1234.0,
