@@ -479,3 +479,30 @@ def test_requests_the_engine_cannot_run_fail_alone_and_resume_survives_them(caps
     assert code == 3 and "nonexist: no such file or directory" in err
     assert "Traceback" not in err and err.startswith("lingctl: error: ")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "n.jsonl").exists()
+
+
+def test_n_answers_come_as_the_choices_of_one_line(capsys, tiny_ckpt, tmp_path):
+    """n samples per request, as vLLM's: choice j draws from seed + j, so choice 0 is the n=1 answer and a
+    request asking n=2 with seed 8 gets, as its second choice, the answer of seed 9."""
+    sampled = {"max_tokens": 6, "temperature": 1.0}
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "three", "prompt": [5, 6, 7], "n": 3, "seed": 8, **sampled},
+            {"custom_id": "one", "prompt": [5, 6, 7], "seed": 8, **sampled},
+            {"custom_id": "nine", "prompt": [5, 6, 7], "seed": 9, **sampled},
+            {"custom_id": "greedy", "prompt": [5, 6, 7], "n": 2, "max_tokens": 6, "temperature": 0},
+        ],
+    )
+    code, out, err = cli(capsys, "flood", "run", str(batch), "-m", str(tiny_ckpt), "--json")
+    assert code == 0, err
+    assert json.loads(out)["succeeded"] == 4
+    answers = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "b.output.jsonl")}
+    three = answers["three"]["choices"]
+    assert [c["index"] for c in three] == [0, 1, 2]
+    assert three[0]["token_ids"] == answers["one"]["choices"][0]["token_ids"]
+    assert three[1]["token_ids"] == answers["nine"]["choices"][0]["token_ids"]
+    usage = answers["three"]["usage"]
+    assert usage["prompt_tokens"] == 3 and usage["completion_tokens"] == sum(len(c["token_ids"]) for c in three)
+    g = answers["greedy"]["choices"]
+    assert len(g) == 2 and g[0]["token_ids"] == g[1]["token_ids"]

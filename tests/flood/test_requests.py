@@ -200,7 +200,8 @@ _MSG = [{"role": "user", "content": "hi"}]
         (_batch_form(CHAT, prompt="x"), "request needs messages"),
         ({"custom_id": "a", "prompt": "x", "messages": _MSG}, "not both"),
         ({"custom_id": "a", "max_tokens": 3}, "no prompt"),
-        (_batch_form(COMPLETIONS, prompt="x", n=2), "n=2: only n=1"),
+        (_batch_form(COMPLETIONS, prompt="x", n=0), "n must be an integer from 1 to 128, got 0"),
+        (_batch_form(COMPLETIONS, prompt="x", n=True), "n must be an integer from 1 to 128, got true"),
         (_batch_form(COMPLETIONS, prompt="x", best_of=3), "best_of=3"),
         (_batch_form(COMPLETIONS, prompt="x", stream=True), "stream=true"),
         (_batch_form(COMPLETIONS, prompt="x", logprobs=2), "logprobs=2"),
@@ -374,7 +375,7 @@ def test_read_batch_line_numbers_blank_lines_and_bad_lines(tmp_path: Path) -> No
         b'{"custom_id": "r3", "prompt": "caf\xe9"}',  # 5 Latin-1, not UTF-8
         json.dumps({"custom_id": "r1", "prompt": "again"}).encode(),  # 6 duplicate
         json.dumps(_batch_form(CHAT, messages=_MSG) | {"custom_id": "r4"}).encode(),  # 7
-        json.dumps({"custom_id": "r5", "prompt": "x", "n": 3}).encode(),  # 8 rejected
+        json.dumps({"custom_id": "r5", "prompt": "x", "n": 300}).encode(),  # 8 rejected
         json.dumps({"custom_id": "r1", "prompt": "third"}).encode(),  # 9 duplicate
         '{"custom_id": "r6", "prompt": "\u2028 and ü"}'.encode(),  # 10, no final newline
     ]
@@ -410,12 +411,12 @@ def test_lone_surrogates_fail_only_their_own_lines_in_one_line_of_valid_text(tmp
     assert [(e.line, e.custom_id) for e in batch.errors] == [(2, "prompt"), (5, "shown"), (6, None)]
     for error in batch.errors:
         assert "\n" not in error.message and error.message.encode("utf-8")
-    assert batch.errors[1].message == 'n="\\ud800": only n=1 is supported'
+    assert batch.errors[1].message == 'n must be an integer from 1 to 128, got "\\ud800"'
 
 
 def test_a_rejected_line_still_claims_its_custom_id(tmp_path: Path) -> None:
     # Otherwise the output would hold an error and an answer for the same custom_id.
-    lines = [{"custom_id": "a", "prompt": "x", "n": 2}, {"custom_id": "a", "prompt": "x"}]
+    lines = [{"custom_id": "a", "prompt": "x", "n": 0}, {"custom_id": "a", "prompt": "x"}]
     batch = read_batch(_write(tmp_path, "\n".join(json.dumps(x) for x in lines).encode() + b"\n"))
     assert batch.requests == []
     assert [(e.line, e.code) for e in batch.errors] == [(1, INVALID_REQUEST), (2, DUPLICATE_CUSTOM_ID)]

@@ -18,24 +18,29 @@ from lingctl.model.hub import parse_repo_id
 log = logging.getLogger(__name__)
 
 
-def answer_body(req: Request, res: GenResult, text: str, model: str) -> dict[str, Any]:
-    """The ``body`` of a finished request: a chat completion for a chat request, else a completion.
-    ``model``: the answer's model when the request names none."""
+def answer_body(req: Request, results: list[GenResult], texts: list[str], model: str) -> dict[str, Any]:
+    """The ``body`` of a finished request: a chat completion for a chat request, else a completion, with one
+    choice per answer (``n``). ``model``: the answer's model when the request names none."""
     prefix, kind = ("chatcmpl", "chat.completion") if req.is_chat else ("cmpl", "text_completion")
-    content = {"message": {"role": "assistant", "content": text}} if req.is_chat else {"text": text}
+    choices = []
+    for index, (res, text) in enumerate(zip(results, texts, strict=True)):
+        content = {"message": {"role": "assistant", "content": text}} if req.is_chat else {"text": text}
+        choice = {**content, "finish_reason": res.finish_reason, "logprobs": None, "token_ids": res.token_ids}
+        choices.append({"index": index, **choice})
+    prompt = results[0].prompt_tokens  # the prompt is counted once, as OpenAI and vLLM count it
+    completion = sum(len(r.token_ids) for r in results)
     usage = {
-        "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": len(res.token_ids),
-        "total_tokens": res.prompt_tokens + len(res.token_ids),
-        "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
     }
-    choice = {**content, "finish_reason": res.finish_reason, "logprobs": None, "token_ids": res.token_ids}
     return {
         "id": f"{prefix}-{secrets.token_hex(12)}",
         "object": kind,
         "created": int(time.time()),
         "model": req.model or model,
-        "choices": [{"index": 0, **choice}],
+        "choices": choices,
         "usage": usage,
     }
 

@@ -16,7 +16,7 @@ has no UTF-8 form for the tokenizer or the output file) and sampling values too 
 Unknown fields are ignored, as vLLM and OpenAI ignore them, so files written for newer APIs still run. The
 sampling fields vLLM honours are honoured (``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
 ``frequency_penalty``, ``presence_penalty``, with vLLM's ranges); known fields that would change the answer in a
-way flood cannot honour (``n``, ``logprobs``, ``stop_token_ids`` ...) are rejected instead of silently giving a
+way flood cannot honour (``logprobs``, ``stop_token_ids`` ...) are rejected instead of silently giving a
 different result. docs/flood.md has the table.
 """
 
@@ -41,6 +41,7 @@ INVALID_REQUEST = "invalid_request"
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's limit on n
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 _SHOW_CHARS = 40
 # The smallest positive temperature and top_p. logits / 5e-324 overflows to inf and softmax then gives NaN;
@@ -54,7 +55,6 @@ MAX_REPETITION_PENALTY = 1e6
 
 # Field -> (does this value ask for something flood does not do, why). null always means "the default".
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v is not None and (v != 1 or isinstance(v, bool)), "only n=1 is supported"),
     "best_of": (lambda v: v is not None and (v != 1 or isinstance(v, bool)), "only best_of=1 is supported"),
     "stream": (bool, "a batch is not streamed"),
     # logprobs=0 still asks the completions API for the sampled tokens' log probabilities.
@@ -111,6 +111,7 @@ class Request:
     messages: list[dict[str, str]] | None = None  # chat: {"role", "content"}, text parts already joined
     model: str | None = None  # informational: the model is chosen by --model, not per request
     sampling: SamplingParams
+    n: int = 1  # answers to generate (the choices of one response)
 
     @property
     def is_chat(self) -> bool:
@@ -242,7 +243,11 @@ def _request(obj: dict[str, Any], line: int, cid: str) -> Request:
         raise _Invalid(f"model must be a string, got {_show(model)}")
     if model is not None:
         _text(model, "model")
-    request = Request(line=line, custom_id=cid, url=url, model=model, sampling=_sampling(body, chat=url == CHAT))
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise _Invalid(f"n must be an integer from 1 to {MAX_N}, got {_show(n)}")
+    sampling = _sampling(body, chat=url == CHAT)
+    request = Request(line=line, custom_id=cid, url=url, model=model, sampling=sampling, n=n or 1)
     if url == CHAT:
         if "messages" not in body:
             raise _Invalid(f"a {CHAT} request needs messages")

@@ -187,10 +187,7 @@ def run_batch(
             jobs = _prompts(codec, todo, output, summary, should_stop)
         finally:
             codec.close()  # the template worker is not needed past here
-        requests = [
-            GenRequest(key=i, prompt_ids=j.ids, sampling=j.req.sampling, seed_key=j.req.custom_id)
-            for i, j in enumerate(jobs)
-        ]
+        requests = [answer for i, job in enumerate(jobs) for answer in _answers(i, job)]
         plan = _plan(opts, md, requests, summary)
         if output is None:
             return summary
@@ -217,6 +214,22 @@ def _write_invalid_lines(output: BatchOutput, invalid: list[RequestError], repor
                 message=err.message,
                 status_code=None if err.custom_id is None else 400,
             )
+
+
+def _answers(index: int, job: _Job) -> list[GenRequest]:
+    """The engine requests of one batch request: one per answer it asks for (``n``), keyed (index, answer).
+    Answer j > 0 draws from seed + j when the request has a seed (as vLLM seeds the n samples of a request),
+    else from a generator of its custom_id and j; greedy answers are all the same. The shared prompt is
+    computed once (prefix sharing)."""
+    req = job.req
+    out = []
+    for j in range(req.n):
+        sampling = req.sampling
+        if j and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + j) % (1 << 64))
+        seed_key = req.custom_id if j == 0 else f"{req.custom_id}\x00{j}"
+        out.append(GenRequest(key=(index, j), prompt_ids=job.ids, sampling=sampling, seed_key=seed_key))
+    return out
 
 
 def _prompts(
@@ -300,9 +313,17 @@ def _generate(
         if on_progress is not None:
             on_progress(Progress(label="", unit="requests", done=stats.finished, total=stats.requests, stats=stats))
 
+    # A request's answer is written once all its n answers are in (one line, n choices).
+    pending: dict[int, list[GenResult | None]] = {}
     try:
         for res in session.results(requests, on_step=on_step, should_stop=should_stop):
-            _write_answer(output, jobs[res.key].req, res, codec, name, summary)
+            index, j = res.key
+            req = jobs[index].req
+            got = pending.setdefault(index, [None] * req.n)
+            got[j] = res
+            if all(r is not None for r in got):
+                del pending[index]
+                _write_answer(output, req, [r for r in got if r is not None], codec, name, summary)
     except (KeyboardInterrupt, StopRequested):
         summary.interrupted = True
     finally:
@@ -316,24 +337,28 @@ def _generate(
 
 
 def _write_answer(
-    output: BatchOutput, req: Request, res: GenResult, codec: TextCodec, model: str, summary: FloodSummary
+    output: BatchOutput, req: Request, results: list[GenResult], codec: TextCodec, model: str, summary: FloodSummary
 ) -> None:
+    """The request's line: its answers as the choices of one body, or its error when any answer failed."""
     body: dict[str, Any] | None = None
-    if res.error is None:
+    failed = next((r for r in results if r.error is not None), None)
+    if failed is None:
         try:
-            text = res.stop_text if res.stop_text is not None else codec.decode(res.token_ids)
-            body = answer_body(req, res, text, model)
+            texts = [r.stop_text if r.stop_text is not None else codec.decode(r.token_ids) for r in results]
+            body = answer_body(req, results, texts, model)
         except Exception as exc:  # detokenizing this answer failed; the others are unaffected
             log.debug("building the answer to %s failed", printable(req.custom_id), exc_info=True)
-            res.error, res.internal = f"failed while decoding the answer: {error_text(exc)}", True
+            failed = results[0]
+            failed.error, failed.internal = f"failed while decoding the answer: {error_text(exc)}", True
     if body is None:
-        write_failure(output, req, res)
+        assert failed is not None
+        write_failure(output, req, failed)
         summary.failed += 1
         return
     output.write_result(req.custom_id, body)
     summary.succeeded += 1
-    summary.prompt_tokens += res.prompt_tokens
-    summary.cached_prompt_tokens += res.cached_tokens
+    summary.prompt_tokens += results[0].prompt_tokens
+    summary.cached_prompt_tokens += results[0].cached_tokens
 
 
 def _fill(summary: FloodSummary, session: EngineSession) -> None:
