@@ -506,3 +506,35 @@ def test_n_answers_come_as_the_choices_of_one_line(capsys, tiny_ckpt, tmp_path):
     assert usage["prompt_tokens"] == 3 and usage["completion_tokens"] == sum(len(c["token_ids"]) for c in three)
     g = answers["greedy"]["choices"]
     assert len(g) == 2 and g[0]["token_ids"] == g[1]["token_ids"]
+
+
+def test_logprobs_in_completion_and_chat_answers(capsys, text_ckpt, tmp_path):
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "c", "prompt": "the quick brown", "max_tokens": 4, "temperature": 0, "logprobs": 2},
+            {
+                "custom_id": "m",
+                "messages": [{"role": "user", "content": "the quick"}],
+                "max_tokens": 3,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ],
+    )
+    code, _, err = cli(capsys, "flood", "run", str(batch), "-m", str(text_ckpt))
+    assert code == 0, err
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in read_jsonl(tmp_path / "b.output.jsonl")}
+    c = answers["c"]
+    lp = c["logprobs"]
+    n = len(c["token_ids"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert all(x <= 0 for x in lp["token_logprobs"]) and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]).strip() == c["text"].strip()
+    content = answers["m"]["logprobs"]["content"]
+    assert len(content) == len(answers["m"]["token_ids"])
+    first = content[0]
+    assert set(first) == {"token", "logprob", "bytes", "top_logprobs"} and len(first["top_logprobs"]) == 1
+    assert bytes(first["bytes"]).decode("utf-8") == first["token"]
+    assert first["top_logprobs"][0]["logprob"] >= first["logprob"] - 1e-6

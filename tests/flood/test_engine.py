@@ -231,6 +231,29 @@ def test_min_p_keeps_only_tokens_near_the_most_likely_and_a_seed_repeats_it(mode
     assert all(a[i].token_ids == b[3 - i].token_ids for i in range(4))
 
 
+def test_logprobs_are_the_models_own_and_do_not_depend_on_the_batch(model):
+    """Each new token's log-probability (and the top 3) is the log-softmax of the model's logits at its position,
+    as a plain forward pass over prompt + answer gives it; the same alone and in a batch."""
+    ps = prompts(5, seed=23)
+    asked = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    together, _, _ = run(model, ps, asked)
+    for i in (0, 3):
+        res = together[i]
+        assert res.token_logprobs is not None and len(res.token_logprobs) == len(res.token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([ps[i] + res.token_ids])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        for k, (token, (own, top)) in enumerate(zip(res.token_ids, res.token_logprobs, strict=True)):
+            at = len(ps[i]) - 1 + k
+            assert own == pytest.approx(float(lp[at, token]), abs=1e-4)
+            assert [t for t, _ in top] == lp[at].topk(3).indices.tolist()
+            assert top[0][0] == token  # greedy: the chosen token is the most likely
+        alone, _, _ = run(model, [ps[i]], asked)
+        assert alone[0].token_logprobs == res.token_logprobs
+    plain, _, _ = run(model, ps[:1])
+    assert plain[0].token_logprobs is None
+
+
 def test_context_limit_and_bad_prompts_are_reported_per_request(model):
     limit = model.config.max_position_embeddings
     reqs = [

@@ -161,6 +161,15 @@ def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any])
     _ok(_batch_form(COMPLETIONS, prompt="x", **fields))
 
 
+def test_logprobs_in_openais_two_forms() -> None:
+    assert _ok(_batch_form(COMPLETIONS, prompt="x", logprobs=3)).sampling.logprobs == 3
+    assert _ok(_batch_form(COMPLETIONS, prompt="x", logprobs=0)).sampling.logprobs == 0  # the token's own only
+    assert _ok(_batch_form(COMPLETIONS, prompt="x")).sampling.logprobs is None
+    assert _ok(_batch_form(CHAT, messages=_MSG, logprobs=True, top_logprobs=5)).sampling.logprobs == 5
+    assert _ok(_batch_form(CHAT, messages=_MSG, logprobs=True)).sampling.logprobs == 0
+    assert _ok(_batch_form(CHAT, messages=_MSG, logprobs=False)).sampling.logprobs is None
+
+
 def test_vllms_sampling_fields_are_read_and_null_means_the_default() -> None:
     fields = dict(
         min_p=0.05, min_tokens=3, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=2
@@ -204,10 +213,12 @@ _MSG = [{"role": "user", "content": "hi"}]
         (_batch_form(COMPLETIONS, prompt="x", n=True), "n must be an integer from 1 to 128, got true"),
         (_batch_form(COMPLETIONS, prompt="x", best_of=3), "best_of=3"),
         (_batch_form(COMPLETIONS, prompt="x", stream=True), "stream=true"),
-        (_batch_form(COMPLETIONS, prompt="x", logprobs=2), "logprobs=2"),
-        (_batch_form(COMPLETIONS, prompt="x", logprobs=0), "logprobs=0"),
-        (_batch_form(CHAT, messages=_MSG, logprobs=True), "logprobs=true"),
-        (_batch_form(CHAT, messages=_MSG, top_logprobs=3), "top_logprobs=3"),
+        (_batch_form(COMPLETIONS, prompt="x", logprobs=21), "logprobs must be an integer from 0 to 20, got 21"),
+        (_batch_form(COMPLETIONS, prompt="x", logprobs=True), "logprobs must be an integer from 0 to 20, got true"),
+        (_batch_form(COMPLETIONS, prompt="x", top_logprobs=2), "top_logprobs is for chat requests"),
+        (_batch_form(CHAT, messages=_MSG, logprobs=3), "logprobs must be true or false for a chat request, got 3"),
+        (_batch_form(CHAT, messages=_MSG, top_logprobs=3), "top_logprobs needs logprobs: true"),
+        (_batch_form(CHAT, messages=_MSG, logprobs=True, top_logprobs=30), "top_logprobs must be an integer"),
         (_batch_form(COMPLETIONS, prompt="x", echo=True), "echo=true"),
         (_batch_form(COMPLETIONS, prompt="x", suffix="end"), 'suffix="end"'),
         (_batch_form(CHAT, messages=_MSG, tools=[{"type": "function"}]), "tools="),

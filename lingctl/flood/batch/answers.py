@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,24 @@ from lingctl.model.hub import parse_repo_id
 log = logging.getLogger(__name__)
 
 
-def answer_body(req: Request, results: list[GenResult], texts: list[str], model: str) -> dict[str, Any]:
+def answer_body(
+    req: Request,
+    results: list[GenResult],
+    texts: list[str],
+    model: str,
+    token_text: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
     """The ``body`` of a finished request: a chat completion for a chat request, else a completion, with one
-    choice per answer (``n``). ``model``: the answer's model when the request names none."""
+    choice per answer (``n``). ``model``: the answer's model when the request names none. ``token_text``: a
+    token's text, for the log-probabilities a request asked for."""
     prefix, kind = ("chatcmpl", "chat.completion") if req.is_chat else ("cmpl", "text_completion")
     choices = []
     for index, (res, text) in enumerate(zip(results, texts, strict=True)):
         content = {"message": {"role": "assistant", "content": text}} if req.is_chat else {"text": text}
-        choice = {**content, "finish_reason": res.finish_reason, "logprobs": None, "token_ids": res.token_ids}
+        logprobs = None
+        if res.token_logprobs is not None and token_text is not None:
+            logprobs = _logprobs(req.is_chat, res.token_ids, res.token_logprobs, token_text)
+        choice = {**content, "finish_reason": res.finish_reason, "logprobs": logprobs, "token_ids": res.token_ids}
         choices.append({"index": index, **choice})
     prompt = results[0].prompt_tokens  # the prompt is counted once, as OpenAI and vLLM count it
     completion = sum(len(r.token_ids) for r in results)
@@ -42,6 +53,39 @@ def answer_body(req: Request, results: list[GenResult], texts: list[str], model:
         "model": req.model or model,
         "choices": choices,
         "usage": usage,
+    }
+
+
+def _logprobs(
+    chat: bool,
+    ids: list[int],
+    entries: list[tuple[float, list[tuple[int, float]]]],
+    token_text: Callable[[int], str],
+) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` object: for chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``; for a
+    completion ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets into the answer's text)."""
+    if chat:
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+        return {
+            "content": [
+                {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                for t, (lp, top) in zip(ids, entries, strict=True)
+            ]
+        }
+    tokens = [token_text(t) for t in ids]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{token_text(i): v for i, v in top} for _, top in entries],
+        "text_offset": offsets,
     }
 
 

@@ -16,7 +16,7 @@ has no UTF-8 form for the tokenizer or the output file) and sampling values too 
 Unknown fields are ignored, as vLLM and OpenAI ignore them, so files written for newer APIs still run. The
 sampling fields vLLM honours are honoured (``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
 ``frequency_penalty``, ``presence_penalty``, with vLLM's ranges); known fields that would change the answer in a
-way flood cannot honour (``logprobs``, ``stop_token_ids`` ...) are rejected instead of silently giving a
+way flood cannot honour (``best_of``, ``stop_token_ids`` ...) are rejected instead of silently giving a
 different result. docs/flood.md has the table.
 """
 
@@ -42,6 +42,7 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 128  # OpenAI's limit on n
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows 5 for completions, 20 for chat)
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 _SHOW_CHARS = 40
 # The smallest positive temperature and top_p. logits / 5e-324 overflows to inf and softmax then gives NaN;
@@ -57,9 +58,6 @@ MAX_REPETITION_PENALTY = 1e6
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v is not None and (v != 1 or isinstance(v, bool)), "only best_of=1 is supported"),
     "stream": (bool, "a batch is not streamed"),
-    # logprobs=0 still asks the completions API for the sampled tokens' log probabilities.
-    "logprobs": (lambda v: v is not None and v is not False, "log probabilities are not returned"),
-    "top_logprobs": (bool, "log probabilities are not returned"),
     "echo": (bool, "echo is not supported"),
     "suffix": (bool, "suffix (insertion) is not supported"),
     "tools": (bool, "tool calling is not supported"),
@@ -247,6 +245,7 @@ def _request(obj: dict[str, Any], line: int, cid: str) -> Request:
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
         raise _Invalid(f"n must be an integer from 1 to {MAX_N}, got {_show(n)}")
     sampling = _sampling(body, chat=url == CHAT)
+    sampling.logprobs = _logprobs(body, chat=url == CHAT)
     request = Request(line=line, custom_id=cid, url=url, model=model, sampling=sampling, n=n or 1)
     if url == CHAT:
         if "messages" not in body:
@@ -352,6 +351,28 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         frequency_penalty=_number(body, "frequency_penalty"),
         presence_penalty=_number(body, "presence_penalty"),
     )
+
+
+def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """How many top log-probabilities each new token gets (0: only its own), or None (not asked). Completions:
+    ``logprobs`` is that number; chat: ``logprobs: true`` asks, ``top_logprobs`` is the number (OpenAI's forms,
+    up to vLLM's default limit of MAX_LOGPROBS)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise _Invalid(f"logprobs must be true or false for a chat request, got {_show(value)}")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise _Invalid(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {_show(top)}")
+        if top is not None and not value:
+            raise _Invalid("top_logprobs needs logprobs: true")
+        return (top or 0) if value else None
+    if top is not None:
+        raise _Invalid("top_logprobs is for chat requests; a completion request gives the number as logprobs")
+    if value is None or value is False:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise _Invalid(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {_show(value)}")
+    return int(value)
 
 
 def _stop(value: Any) -> list[str]:

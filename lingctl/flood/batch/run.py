@@ -345,7 +345,7 @@ def _write_answer(
     if failed is None:
         try:
             texts = [r.stop_text if r.stop_text is not None else codec.decode(r.token_ids) for r in results]
-            body = answer_body(req, results, texts, model)
+            body = answer_body(req, results, texts, model, codec.token_text)
         except Exception as exc:  # detokenizing this answer failed; the others are unaffected
             log.debug("building the answer to %s failed", printable(req.custom_id), exc_info=True)
             failed = results[0]

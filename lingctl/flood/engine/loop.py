@@ -73,6 +73,9 @@ class GenResult:
     stop_text: str | None = None  # text up to (excluding) the stop string that ended it
     logprobs: list[float] | None = None  # forced requests: natural-log probability of each forced token
     greedy: bool | None = None  # forced requests: every forced token was the argmax of its logits
+    # Requests with sampling.logprobs: per generated token, its log-probability and the top ones (id, logprob),
+    # from the model's own distribution (the raw logits, as vLLM's default logprobs mode)
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(slots=True)
@@ -171,6 +174,8 @@ class Engine:
         self.runner = runner
         self.eos_ids = set(eos_ids)
         self.stop_check = stop_check
+        # Requests that asked for log-probabilities: theirs so far, by id of the request (until it finishes)
+        self._logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}
         self.max_positions = model_config.max_position_embeddings
         self.stats = EngineStats(kv_slots=config.kv_cache_tokens)
         self.alloc = SegmentAllocator(config.kv_cache_tokens)
@@ -235,6 +240,7 @@ class Engine:
     ) -> GenResult:
         """The error result that ends ``req`` (which counts as finished)."""
         self.stats.finished += 1
+        self._logprobs.pop(id(req), None)
         return GenResult(
             key=req.key,
             token_ids=generated or [],
@@ -378,6 +384,8 @@ class Engine:
                 )
             seq.tokens.append(token)
             self.stats.generated_tokens += 1
+            if seq.sampling.logprobs is not None:
+                self._record_logprobs(seq, logits_V, token)
             early = seq.generated < seq.sampling.min_tokens  # (counting this token)
             if token in self.eos_ids and not seq.sampling.ignore_eos:
                 reason = "stop"
@@ -399,6 +407,17 @@ class Engine:
         if reason is None:
             return
         self._finish(sched, seq, done, reason, stop_text=stop_text)
+
+    def _record_logprobs(self, seq: Sequence, logits_V: torch.Tensor, token: int) -> None:
+        """The chosen token's log-probability and the ``sampling.logprobs`` most likely tokens' (highest first,
+        ties by id), kept until the request finishes."""
+        lp = torch.log_softmax(logits_V.float(), dim=-1)
+        k = min(int(seq.sampling.logprobs or 0), lp.shape[-1])
+        top: list[tuple[int, float]] = []
+        if k:
+            values, ids = torch.topk(lp, k)
+            top = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+        self._logprobs.setdefault(id(seq.key), []).append((float(lp[token]), top))
 
     def _blocked(self, seq: Sequence) -> list[int]:
         """The end-of-sequence ids while a request has fewer new tokens than its min_tokens (none when it ignores
@@ -433,6 +452,7 @@ class Engine:
                 stop_text=stop_text,
                 logprobs=None if forced is None else forced.logprobs,
                 greedy=None if forced is None else forced.greedy,
+                token_logprobs=self._logprobs.pop(id(req), None) if req.sampling.logprobs is not None else None,
             )
         )
 

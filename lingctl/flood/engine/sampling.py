@@ -33,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or the output so far
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
     presence_penalty: float = 0.0  # subtracted once if the token is in the output
+    logprobs: int | None = None  # return each new token's log-probability and this many top ones (None: not)
 
     @property
     def greedy(self) -> bool:

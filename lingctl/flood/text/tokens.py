@@ -78,6 +78,13 @@ class TextCodec:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token as a log-probability entry names it: its own text (a piece of a character decodes to
+        U+FFFD, as vLLM shows it), or ``token_id:N`` for a model without a tokenizer (vLLM's form)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     def stop_check(self, generated: list[int], stops: list[str]) -> str | None:
         """Text before the earliest stop string, once one has appeared; else None."""
         text = self.decode(generated)
