@@ -538,3 +538,22 @@ def test_logprobs_in_completion_and_chat_answers(capsys, text_ckpt, tmp_path):
     assert set(first) == {"token", "logprob", "bytes", "top_logprobs"} and len(first["top_logprobs"]) == 1
     assert bytes(first["bytes"]).decode("utf-8") == first["token"]
     assert first["top_logprobs"][0]["logprob"] >= first["logprob"] - 1e-6
+
+
+def test_a_list_of_prompts_gets_n_choices_per_prompt_in_order(capsys, tiny_ckpt, tmp_path):
+    batch = write_batch(
+        tmp_path / "b.jsonl",
+        [
+            {"custom_id": "many", "prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3, "temperature": 0},
+            {"custom_id": "first", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0},
+            {"custom_id": "second", "prompt": [8, 9], "max_tokens": 3, "temperature": 0},
+        ],
+    )
+    code, _, err = cli(capsys, "flood", "run", str(batch), "-m", str(tiny_ckpt))
+    assert code == 0, err
+    answers = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "b.output.jsonl")}
+    choices = answers["many"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]  # prompt 0's two answers, then prompt 1's
+    first, second = answers["first"]["choices"][0]["token_ids"], answers["second"]["choices"][0]["token_ids"]
+    assert [c["token_ids"] for c in choices] == [first, first, second, second]
+    assert answers["many"]["usage"]["prompt_tokens"] == 5  # each prompt once

@@ -161,6 +161,14 @@ def test_harmless_values_and_unknown_fields_are_accepted(fields: dict[str, Any])
     _ok(_batch_form(COMPLETIONS, prompt="x", **fields))
 
 
+def test_a_list_of_prompts_is_several_prompts() -> None:
+    req = _ok(_batch_form(COMPLETIONS, prompt=["a", "b", "c"]))
+    assert req.prompt_text == "a" and req.more_prompts == [("b", None), ("c", None)]
+    ids = _ok(_batch_form(COMPLETIONS, prompt=[[1, 2], [3]]))
+    assert ids.prompt_ids == [1, 2] and ids.more_prompts == [(None, [3])]
+    assert _ok(_batch_form(COMPLETIONS, prompt=[1, 2])).more_prompts == []  # one prompt of token ids
+
+
 def test_logprobs_in_openais_two_forms() -> None:
     assert _ok(_batch_form(COMPLETIONS, prompt="x", logprobs=3)).sampling.logprobs == 3
     assert _ok(_batch_form(COMPLETIONS, prompt="x", logprobs=0)).sampling.logprobs == 0  # the token's own only
@@ -290,9 +298,13 @@ _MSG = [{"role": "user", "content": "hi"}]
         (_batch_form(COMPLETIONS, prompt="x", stop=""), "stop must be a non-empty string"),
         (_batch_form(COMPLETIONS, prompt="x", stop=["a", ""]), 'got ["a", ""]'),
         (_batch_form(COMPLETIONS, prompt="x", stop=3), "stop must be"),
-        (_batch_form(COMPLETIONS, prompt=["a", "b"]), "prompt must be one string or one array of token ids"),
-        (_batch_form(COMPLETIONS, prompt=[[1, 2], [3]]), "prompt must be one string or one array of token ids"),
-        (_batch_form(COMPLETIONS, prompt=3), "prompt must be one string or one array of token ids, got 3"),
+        (_batch_form(COMPLETIONS, prompt=["a", 5]), "prompt must be a string, an array of token ids, or a list"),
+        (_batch_form(COMPLETIONS, prompt=[[1, 2], []]), "prompt[1] must not be empty"),
+        (_batch_form(COMPLETIONS, prompt=["a", [1, -2]]), "prompt[1][1] must be a token id"),
+        (
+            _batch_form(COMPLETIONS, prompt=3),
+            "prompt must be a string, an array of token ids, or a list of them, got 3",
+        ),
         (_batch_form(COMPLETIONS, prompt=[5, -1]), "prompt[1] must be a token id (an integer >= 0), got -1"),
         (_batch_form(COMPLETIONS, prompt=[5, 1.5]), "prompt[1] must be a token id"),
         (_batch_form(COMPLETIONS, prompt=""), "prompt must not be empty"),
@@ -349,7 +361,7 @@ def test_refused_values_are_shown_as_valid_text() -> None:
 
 
 def test_long_values_are_cut_short() -> None:
-    err = _parse(_batch_form(COMPLETIONS, prompt=["word " * 200]))
+    err = _parse(_batch_form(COMPLETIONS, prompt=["word " * 200, 7]))
     assert isinstance(err, RequestError)
     assert "…" in err.message and len(err.message) < 150
 

@@ -38,13 +38,14 @@ def answer_body(
             logprobs = _logprobs(req.is_chat, res.token_ids, res.token_logprobs, token_text)
         choice = {**content, "finish_reason": res.finish_reason, "logprobs": logprobs, "token_ids": res.token_ids}
         choices.append({"index": index, **choice})
-    prompt = results[0].prompt_tokens  # the prompt is counted once, as OpenAI and vLLM count it
+    firsts = results[:: req.n]  # each prompt is counted once (not once per answer), as OpenAI and vLLM count it
+    prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(len(r.token_ids) for r in results)
     usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }
     return {
         "id": f"{prefix}-{secrets.token_hex(12)}",

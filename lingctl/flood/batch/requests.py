@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 128  # OpenAI's limit on n
+MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's limit on a prompt list)
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows 5 for completions, 20 for chat)
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 _SHOW_CHARS = 40
@@ -106,6 +107,9 @@ class Request:
     url: str  # COMPLETIONS or CHAT
     prompt_text: str | None = None  # completions with a string prompt
     prompt_ids: list[int] | None = None  # completions with token ids (>= 0; the vocabulary bound is the model's)
+    # completions with a list of prompts (strings or id lists): the others after the first, which the two fields
+    # above hold; the answer has n choices per prompt, prompt by prompt, as OpenAI's
+    more_prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
     messages: list[dict[str, str]] | None = None  # chat: {"role", "content"}, text parts already joined
     model: str | None = None  # informational: the model is chosen by --model, not per request
     sampling: SamplingParams
@@ -254,23 +258,33 @@ def _request(obj: dict[str, Any], line: int, cid: str) -> Request:
     else:
         if "prompt" not in body:
             raise _Invalid(f"a {COMPLETIONS} request needs prompt")
-        request.prompt_text, request.prompt_ids = _prompt(body["prompt"])
+        prompts = _prompts(body["prompt"])
+        (request.prompt_text, request.prompt_ids), request.more_prompts = prompts[0], prompts[1:]
     return request
 
 
-def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+def _prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
+    """The prompts of a completion request: one string or id array, or a list of them (OpenAI reads a list of
+    strings or of id arrays as several prompts, each with its own choices)."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise _Invalid(f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} per request")
+        return [_prompt(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    return [_prompt(value, "prompt")]
+
+
+def _prompt(value: Any, where: str) -> tuple[str | None, list[int] | None]:
     if isinstance(value, str):
         if not value:
-            raise _Invalid("prompt must not be empty")
-        return _text(value, "prompt"), None
+            raise _Invalid(f"{where} must not be empty")
+        return _text(value, where), None
     if not isinstance(value, list) or any(isinstance(v, (str, list)) for v in value):
-        # OpenAI reads a list of strings or of id lists as several prompts, each with its own choices.
-        raise _Invalid(f"prompt must be one string or one array of token ids, got {_show(value)}")
+        raise _Invalid(f"{where} must be a string, an array of token ids, or a list of them, got {_show(value)}")
     if not value:
-        raise _Invalid("prompt must not be empty")
+        raise _Invalid(f"{where} must not be empty")
     for i, token in enumerate(value):
         if not _is_int(token) or token < 0:
-            raise _Invalid(f"prompt[{i}] must be a token id (an integer >= 0), got {_show(token)}")
+            raise _Invalid(f"{where}[{i}] must be a token id (an integer >= 0), got {_show(token)}")
     return None, value
 
 

@@ -100,7 +100,7 @@ class FloodSummary:
 @dataclass(slots=True)
 class _Job:
     req: Request
-    ids: list[int]
+    ids: list[list[int]]  # each prompt's token ids (one, or a completion's list of prompts)
 
 
 def _manifest(opts: FloodOptions, md: ModelDir, template: str | None) -> dict[str, Any]:
@@ -223,12 +223,14 @@ def _answers(index: int, job: _Job) -> list[GenRequest]:
     computed once (prefix sharing)."""
     req = job.req
     out = []
-    for j in range(req.n):
-        sampling = req.sampling
-        if j and sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=(sampling.seed + j) % (1 << 64))
-        seed_key = req.custom_id if j == 0 else f"{req.custom_id}\x00{j}"
-        out.append(GenRequest(key=(index, j), prompt_ids=job.ids, sampling=sampling, seed_key=seed_key))
+    for p, ids in enumerate(job.ids):  # a list of prompts: n answers for each, prompt by prompt
+        for j in range(req.n):
+            sampling = req.sampling
+            if j and sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + j) % (1 << 64))
+            at = p * req.n + j
+            seed_key = req.custom_id if at == 0 else f"{req.custom_id}\x00{at}"
+            out.append(GenRequest(key=(index, at), prompt_ids=ids, sampling=sampling, seed_key=seed_key))
     return out
 
 
@@ -248,7 +250,8 @@ def _prompts(
                 hint="continue with the same command plus --resume",
             )
         try:
-            jobs.append(_Job(req, codec.prompt_ids(req)))
+            others = [dataclasses.replace(req, prompt_text=t, prompt_ids=i) for t, i in req.more_prompts]
+            jobs.append(_Job(req, [codec.prompt_ids(r) for r in (req, *others)]))
             continue
         except PromptError as exc:
             message = str(exc)
@@ -319,7 +322,7 @@ def _generate(
         for res in session.results(requests, on_step=on_step, should_stop=should_stop):
             index, j = res.key
             req = jobs[index].req
-            got = pending.setdefault(index, [None] * req.n)
+            got = pending.setdefault(index, [None] * (req.n * len(jobs[index].ids)))
             got[j] = res
             if all(r is not None for r in got):
                 del pending[index]
@@ -357,8 +360,9 @@ def _write_answer(
         return
     output.write_result(req.custom_id, body)
     summary.succeeded += 1
-    summary.prompt_tokens += results[0].prompt_tokens
-    summary.cached_prompt_tokens += results[0].cached_tokens
+    firsts = results[:: req.n]  # each prompt's first answer
+    summary.prompt_tokens += sum(r.prompt_tokens for r in firsts)
+    summary.cached_prompt_tokens += sum(r.cached_tokens for r in firsts)
 
 
 def _fill(summary: FloodSummary, session: EngineSession) -> None:
