@@ -17,7 +17,7 @@ from lingctl.commands.options import STDOUT
 from lingctl.commands.status_view import StatusView
 from lingctl.core.graceful_stop import GracefulStop, graceful_stop
 from lingctl.core.output import Output, to_jsonable
-from lingctl.core.units import format_size
+from lingctl.core.units import format_params, format_size
 
 if TYPE_CHECKING:
     from lingctl.flood.batch.run import FloodSummary
@@ -103,7 +103,7 @@ def plan_lines(p: MemoryPlan) -> list[str]:
     """The model's size and the memory plan, part by part."""
     quant = ", int8 linears" if p.quantize else ""
     return [
-        f"model: {_count(p.params)} parameters ({_count(p.active_params)} active), weights "
+        f"model: {format_params(p.params)} parameters ({format_params(p.active_params)} active), weights "
         f"{format_size(p.weights_bytes)} ({p.dtype}{quant}); KV cache {p.kv_tokens:,} tokens "
         f"= {format_size(p.kv_bytes)} ({format_size(p.kv_bytes_per_token)}/token); activations "
         f"{format_size(p.activation_bytes)}; {format_size(p.available_bytes)} available",
@@ -112,10 +112,6 @@ def plan_lines(p: MemoryPlan) -> list[str]:
         f"{format_size(p.loader_bytes)} and packed copies {format_size(p.engine_bytes)} + activations "
         f"+ KV {format_size(p.activation_bytes + p.kv_bytes)}",
     ]
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def answers_to_stdout(

@@ -29,6 +29,11 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * base ** _POWERS[unit])
 
 
+def format_params(n: int) -> str:
+    """A parameter count as the plans print it: ``16.80B``, ``18.24M``."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def format_size(n: float) -> str:
     """``1536`` -> ``1.5 KiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from lingctl.core.errors import LingctlError
-from lingctl.core.units import format_size
+from lingctl.core.units import format_params, format_size
 from lingctl.model.config import LingConfig
 
 RUNTIME_BYTES = int(0.6 * 2**30)
@@ -58,7 +58,7 @@ class TrainMemoryPlan:
         """The plan as a person reads it."""
         f = format_size
         return [
-            f"model: {_count(self.params)} parameters ({_count(self.active_params)} active); batch "
+            f"model: {format_params(self.params)} parameters ({format_params(self.active_params)} active); batch "
             f"{self.batch_size} x {self.seq_len} tokens, {self.dtype}, {self.workers} worker(s) on this machine",
             f"memory plan per worker: {f(self.per_worker_bytes)} = weights {f(self.weights_bytes)} + gradients "
             f"{f(self.grads_bytes)} + AdamW {f(self.optimizer_bytes)} + activations {f(self.activation_bytes)} "
@@ -80,10 +80,6 @@ class TrainMemoryPlan:
     @property
     def state_bytes(self) -> int:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def activation_bytes(config: LingConfig, *, batch_size: int, seq_len: int, dtype: str) -> int:
