@@ -26,7 +26,7 @@ from lingctl.model.checkpoint_files import CONFIG, GENERATION_CONFIG, TOKENIZER,
 from lingctl.model.config import LingConfig
 from lingctl.model.hf_files import (
     DEFAULT_MAX_SHARD_SIZE,
-    LING_CODE_REPO,
+    code_files,
     generation_config,
     hf_config,
     index_json,
@@ -71,14 +71,15 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     tokenizer_config: Mapping[str, Any] | None = None,
-    code_repo: str | None = LING_CODE_REPO,
+    code_repo: str | None = None,
 ) -> None:
     """Write a complete checkpoint directory in the Hugging Face layout (see ``hf_files``).
 
     Each file is written atomically, weights first and ``config.json`` last, so a directory with a config is
     a complete one. Weights over ``max_shard_size`` are split into shards with an index. ``tokenizer_config``
     is the tokenizer_config.json that came with the tokenizer, kept (only what it lacks is filled in);
-    ``code_repo`` is where config.json's auto_map sends transformers for Ling's code (None: beside the weights).
+    ``code_repo`` is the Hub repository config.json's auto_map sends transformers to for the modeling code; None
+    (the default) writes lingctl's own code beside the weights and names it there.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -106,6 +107,10 @@ def save_checkpoint(
         for name, content in files.items():
             _write_json(directory / name, content)
     _write_json(directory / GENERATION_CONFIG, generation_config(config))
+    if not code_repo:
+        for name, source in code_files().items():
+            with atomic_write(directory / name) as (_, f):
+                f.write(source)
     _write_json(directory / CONFIG, hf_config(config, dtype=dtype_name(saved_dtype), code_repo=code_repo))
 
 

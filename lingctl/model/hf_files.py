@@ -1,9 +1,10 @@
 """The side files that make a checkpoint directory a Hugging Face model repository, as Ling's are on the Hub.
 
 - ``config.json`` carries an ``auto_map``: transformers has no built-in ``bailing_moe``, so its Auto classes
-  load Ling's configuration and modeling code named there (with ``trust_remote_code=True``). The ``repo--module``
-  form points at a Hub repository holding that code (what ``save_pretrained`` writes for a remote-code model);
-  the plain ``module.Class`` form at files beside the weights. No modeling code is written here.
+  load the configuration and modeling code named there (with ``trust_remote_code=True``). By default that is
+  lingctl's own ``configuration_bailing_moe.py`` / ``modeling_bailing_moe.py`` (``hf_code/``), written beside the
+  weights in the plain ``module.Class`` form, so a checkpoint loads offline with no code from the Hub; the
+  ``repo--module`` form points at a Hub repository holding such code instead (Ling's own, for example).
 - ``tokenizer_config.json`` and ``special_tokens_map.json``: the tokenizer class, the bos/eos/pad tokens and
   Ling's chat template, so ``AutoTokenizer`` loads with its end-of-text token and ``apply_chat_template`` works.
 - ``generation_config.json``: the stop and padding ids generation uses.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from importlib import resources
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from lingctl.model.checkpoint_files import SHARD_NAME, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
 
-# The Hub repository whose configuration_bailing_moe.py / modeling_bailing_moe.py the auto_map names.
+# Ling's own Hub repository, holding its configuration_bailing_moe.py / modeling_bailing_moe.py.
 LING_CODE_REPO = "inclusionAI/Ling-lite"
 CONFIG_MODULE = "configuration_bailing_moe"
 MODELING_MODULE = "modeling_bailing_moe"
@@ -66,18 +68,10 @@ def auto_map(code_repo: str | None) -> dict[str, str]:
     }
 
 
-def code_repo_of(config_json: Mapping[str, Any], repo_id: str | None) -> str | None:
-    """Where a source checkpoint's auto_map points: its ``repo--`` prefix, or ``repo_id`` (the Hub repository
-    the checkpoint came from) for modules that lived beside its weights; None when it has no auto_map."""
-    entries = config_json.get("auto_map")
-    if not isinstance(entries, Mapping):
-        return None
-    ref = entries.get("AutoModelForCausalLM") or entries.get("AutoConfig")
-    if not isinstance(ref, str) or not ref:
-        return None
-    if "--" in ref:
-        return ref.split("--", 1)[0]
-    return repo_id
+def code_files() -> dict[str, bytes]:
+    """lingctl's transformers code for a checkpoint directory: file name -> contents (the ``hf_code`` modules)."""
+    package = resources.files("lingctl.model.hf_code")
+    return {f"{name}.py": package.joinpath(f"{name}.py").read_bytes() for name in (CONFIG_MODULE, MODELING_MODULE)}
 
 
 def hf_config(config: LingConfig, *, dtype: str, code_repo: str | None) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from lingctl.core.units import parse_size
 from lingctl.model.presets import PRESETS, preset
 from lingctl.runs.settings import Check, check_settings, number, one_of, setting, whole
 
-# The defaults of lingctl.model.hf_files (DEFAULT_MAX_SHARD_SIZE, LING_CODE_REPO), which loads torch; a test
-# holds the two equal.
+# The default of lingctl.model.hf_files.DEFAULT_MAX_SHARD_SIZE, which loads torch; a test holds the two equal.
 MAX_SHARD_SIZE = "5GB"
-CODE_REPO = "inclusionAI/Ling-lite"
+# "": lingctl's own modeling code beside the weights (self-contained checkpoints); ORG/NAME: a Hub repository's.
+CODE_REPO = ""
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 
@@ -263,9 +263,9 @@ class TrainConfig:
         CODE_REPO,
         flag="--hf-code-repo",
         metavar="ORG/NAME",
-        help="The Hub repository whose Ling code config.json's auto_map names, for transformers' "
-        'trust_remote_code (default: the --init-from checkpoint\'s, else inclusionAI/Ling-lite; "" = '
-        "code files copied beside the weights).",
+        help="A Hub repository whose modeling code config.json's auto_map names for transformers' "
+        "trust_remote_code, e.g. inclusionAI/Ling-lite (default: lingctl's own code, written beside the weights, "
+        "so checkpoints load offline).",
         resumable=True,
     )
     # bfloat16 = autocast; master weights stay float32

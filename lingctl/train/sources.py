@@ -16,7 +16,6 @@ from lingctl.core.errors import LingctlError, NotFoundError, UsageError
 from lingctl.model.checkpoint import load_config, weight_files
 from lingctl.model.checkpoint_files import CONFIG, TOKENIZER, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
 from lingctl.model.hub import is_repo_id, resolve_model_dir
 
 
@@ -26,7 +25,6 @@ class InitSource:
     directory: Path
     config: LingConfig
     tokenizer_config: dict[str, Any] | None
-    code_repo: str | None  # where its auto_map finds Ling's code; None when it names none
 
     @property
     def tokenizer(self) -> Path | None:
@@ -56,14 +54,11 @@ def open_init_source(spec: str) -> InitSource:
         raise NotFoundError(f"no {CONFIG} in {directory}", hint="point --init-from at a checkpoint directory")
     config = load_config(directory)
     weight_files(directory)  # no weights (or pickled ones only): one line now, not after the data is read
-    raw = read_json_object(directory / CONFIG) or {}
-    repo = spec.split("@", 1)[0] if is_repo_id(spec) and not Path(spec).exists() else None
     return InitSource(
         spec=spec,
         directory=directory,
         config=config,
         tokenizer_config=read_json_object(directory / TOKENIZER_CONFIG),
-        code_repo=code_repo_of(raw, repo),
     )
 
 
@@ -84,11 +79,3 @@ def tokenizer_source(spec: str) -> tuple[Path, dict[str, Any] | None]:
             )
         return file, read_json_object(path / TOKENIZER_CONFIG)
     raise NotFoundError(f"tokenizer not found: {spec}")
-
-
-def default_code_repo(configured: str, source: InitSource | None) -> str | None:
-    """The auto_map target of the run's checkpoints: the one configured when it was changed, else the
-    starting checkpoint's own, else Ling's repository."""
-    if configured != LING_CODE_REPO or source is None or source.code_repo is None:
-        return configured or None
-    return source.code_repo

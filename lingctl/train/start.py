@@ -20,9 +20,8 @@ import torch
 from lingctl.core.errors import NotFoundError, UsageError
 from lingctl.core.names import join_under
 from lingctl.model.checkpoint import load_config, load_weights_into
-from lingctl.model.checkpoint_files import CONFIG, TOKENIZER, TOKENIZER_CONFIG
+from lingctl.model.checkpoint_files import TOKENIZER, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
-from lingctl.model.hf_files import LING_CODE_REPO, code_repo_of
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.tokenizer import save_tokenizer
 from lingctl.runs.train_config import OptimConfig, TrainConfig
@@ -30,7 +29,7 @@ from lingctl.train.dataset import PreparedData, prepare_data
 from lingctl.train.report import report_dir_name
 from lingctl.train.resolved import Resolved
 from lingctl.train.rundir import RunDir
-from lingctl.train.sources import InitSource, default_code_repo, read_json_object, tokenizer_source
+from lingctl.train.sources import InitSource, read_json_object, tokenizer_source
 from lingctl.train.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def open_run(
         if workers.local_rank == 0:  # one copy per node
             run.fetch_for_resume(latest, last_step=config.steps, main=workers.is_main)
         workers.barrier()
-        return _resumed(config, run, latest, default_code_repo(config.hf_code_repo, init))
+        return _resumed(config, run, latest)
     if run.has_content() and not restart:
         raise UsageError(
             f"{run.describe()} already holds a training run",
@@ -72,7 +71,7 @@ def open_run(
         shape=init.config if init is not None else None,
         tokenizer=None,
         tokenizer_config=None,
-        code_repo=default_code_repo(config.hf_code_repo, init),
+        code_repo=config.hf_code_repo or None,
     )
     if config.data.tokenizer:
         start.tokenizer_config = tokenizer_source(config.data.tokenizer)[1]
@@ -81,18 +80,16 @@ def open_run(
     return start
 
 
-def _resumed(config: TrainConfig, run: RunDir, latest: dict[str, Any], code_repo: str | None) -> RunStart:
-    """A resume takes the shape, tokenizer files and code repository from the run's own last checkpoint (so
-    the checkpoint it started from need not exist any more)."""
+def _resumed(config: TrainConfig, run: RunDir, latest: dict[str, Any]) -> RunStart:
+    """A resume takes the shape and tokenizer files from the run's own last checkpoint (so the checkpoint it
+    started from need not exist any more)."""
     ckpt = join_under(run.local, latest["path"], what="latest.json path")
-    if config.hf_code_repo == LING_CODE_REPO:  # unchanged: keep what the run's checkpoints name
-        code_repo = code_repo_of(read_json_object(ckpt / CONFIG) or {}, None) or code_repo
     return RunStart(
         latest=latest,
         shape=load_config(ckpt) if config.init_from else None,
         tokenizer=run.local / TOKENIZER,
         tokenizer_config=read_json_object(ckpt / TOKENIZER_CONFIG),
-        code_repo=code_repo,
+        code_repo=config.hf_code_repo or None,
     )
 
 

@@ -104,11 +104,12 @@ def test_run_starts_from_the_cached_hub_checkpoint(started: dict) -> None:
         assert torch.allclose(trained[name], tensor, atol=1e-6), name
     # Its tokenizer is the source's (same ids), not one trained on the data.
     assert Tokenizer.from_file(str(ckpt / "tokenizer.json")).to_str() == (src / "tokenizer.json").read_text()
-    # Hub files: shards with an index, the source's chat template, and auto_map at the source's repository.
+    # Hub files: shards with an index, the source's chat template, and lingctl's own code named by auto_map.
     assert len(set(json.loads((ckpt / WEIGHTS_INDEX).read_text())["weight_map"].values())) > 1
     assert json.loads((ckpt / "tokenizer_config.json").read_text())["chat_template"] == SOURCE_TEMPLATE
     auto_map = json.loads((ckpt / "config.json").read_text())["auto_map"]
-    assert auto_map["AutoModelForCausalLM"] == f"{REPO_ID}--modeling_bailing_moe.BailingMoeForCausalLM"
+    assert auto_map["AutoModelForCausalLM"] == "modeling_bailing_moe.BailingMoeForCausalLM"
+    assert (ckpt / "modeling_bailing_moe.py").is_file() and (ckpt / "configuration_bailing_moe.py").is_file()
 
 
 def test_flood_answers_chat_on_the_runs_checkpoint_and_resume_keeps_the_shape(started: dict) -> None:

@@ -58,11 +58,13 @@ def test_side_files_are_the_hub_layout(sharded: tuple[Path, LingForCausalLM]) ->
     path, model = sharded
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "bailing_moe" and config["architectures"] == ["BailingMoeForCausalLM"]
+    # lingctl's own code beside the weights, named in the plain module.Class form.
     assert config["auto_map"] == {
-        "AutoConfig": f"{LING_CODE_REPO}--configuration_bailing_moe.BailingMoeConfig",
-        "AutoModel": f"{LING_CODE_REPO}--modeling_bailing_moe.BailingMoeModel",
-        "AutoModelForCausalLM": f"{LING_CODE_REPO}--modeling_bailing_moe.BailingMoeForCausalLM",
+        "AutoConfig": "configuration_bailing_moe.BailingMoeConfig",
+        "AutoModel": "modeling_bailing_moe.BailingMoeModel",
+        "AutoModelForCausalLM": "modeling_bailing_moe.BailingMoeForCausalLM",
     }
+    assert {p.name for p in path.glob("*.py")} == {"configuration_bailing_moe.py", "modeling_bailing_moe.py"}
     generation = json.loads((path / "generation_config.json").read_text())
     assert generation["eos_token_id"] == model.config.eos_token_id == generation["pad_token_id"]
     tok_config = json.loads((path / "tokenizer_config.json").read_text())
@@ -164,9 +166,9 @@ def test_transformers_tokenizer_loads_eos_pad_and_ling_chat(sharded: tuple[Path,
 
 
 def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded: tuple[Path, LingForCausalLM]) -> None:
-    """transformers follows config.json's auto_map, offline, to Ling's configuration code: in a Hub repository
-    in the cache (the default) and beside the weights. The configuration module is lingctl's own stand-in for
-    Ling's (bench/vllm_ling_config.py); no modeling code is needed to read a config."""
+    """transformers follows config.json's auto_map, offline, to the configuration code: in a Hub repository in
+    the cache (``code_repo``: the repository there holds bench/vllm_ling_config.py as Ling's configuration
+    module, and no code is written beside the weights) and beside the weights (the default)."""
     pytest.importorskip("transformers")
     from tests.support.hf_cache import cache_repo
 
@@ -176,9 +178,11 @@ def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded
     shutil.copyfile(REPO / "bench" / "vllm_ling_config.py", code / "configuration_bailing_moe.py")
     hf_home = tmp_path / "hf"
     cache_repo(hf_home, LING_CODE_REPO, code)
-    local = tmp_path / "local"
-    save_checkpoint(model, local, code_repo=None)
-    shutil.copyfile(code / "configuration_bailing_moe.py", local / "configuration_bailing_moe.py")
+    hub_form = tmp_path / "hub_form"
+    save_checkpoint(model, hub_form, code_repo=LING_CODE_REPO)
+    config = json.loads((hub_form / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == f"{LING_CODE_REPO}--modeling_bailing_moe.BailingMoeForCausalLM"
+    assert not list(hub_form.glob("*.py"))
     script = (
         "import sys, json\nfrom transformers import AutoConfig\n"
         "for p in sys.argv[1:]:\n"
@@ -189,7 +193,7 @@ def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("HF_HUB_CACHE", None)
     res = subprocess.run(
-        [sys.executable, "-c", script, str(path), str(local)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script, str(hub_form), str(path)], capture_output=True, text=True, env=env, timeout=300
     )
     assert res.returncode == 0, res.stderr[-2000:]
     c = model.config
