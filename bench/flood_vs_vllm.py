@@ -3,9 +3,9 @@
 vLLM serves Ling's architecture (``BailingMoeForCausalLM``) natively, so both sides load the same weights: the
 tiny Ling MoE of bench/flood_vs_hf.py (4 layers, hidden 256, 64 experts top-6 of width 128, two shared experts,
 NormHead, vocab 8192; seeded random weights, float32) is written as a Ling checkpoint (lingctl's
-``save_checkpoint``) that vLLM loads. transformers has no ``bailing_moe`` model type, so the checkpoint carries
-Ling's configuration class (bench/vllm_ling_config.py, copied in as configuration_bailing_moe.py, named in
-config.json's ``auto_map``) and vLLM runs with ``trust_remote_code``.
+``save_checkpoint``) that vLLM loads. transformers has no ``bailing_moe`` model type, so vLLM reads the
+configuration class the checkpoint carries (configuration_bailing_moe.py, written beside the weights by lingctl
+and named in config.json's ``auto_map``) and runs with ``trust_remote_code``.
 
 NormHead: by default the head is normalised once, in lingctl (``normalize_head_``, as flood_vs_hf.py does), and
 saved with ``norm_head`` off, so both sides multiply by the very same matrix. ``--head vllm`` saves the raw head
@@ -56,7 +56,6 @@ import platform
 import re
 import resource
 import select
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +80,6 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = BENCH / "vllm_driver.py"
-CONFIG_CLASS = BENCH / "vllm_ling_config.py"
 CONFIG_MODULE = "configuration_bailing_moe"
 GOAL = 1.0  # flood / vLLM in generated tok/s; printed as met / not met, never asserted
 # flood's engine settings, as bench/flood_vs_hf.py runs it; vLLM gets the same per-step budgets.
@@ -114,9 +112,9 @@ def build_models(directory: Path, head: str) -> LingForCausalLM:
 
 
 def write_checkpoint(model: LingForCausalLM, directory: Path) -> None:
-    """lingctl's checkpoint plus what vLLM's config loader needs: Ling's configuration class via auto_map."""
+    """lingctl's checkpoint, its auto_map narrowed to the configuration class: vLLM reads the config through
+    transformers and runs its own BailingMoeForCausalLM, never the modeling file beside the weights."""
     save_checkpoint(model, directory)
-    shutil.copyfile(CONFIG_CLASS, directory / f"{CONFIG_MODULE}.py")
     path = directory / CONFIG
     data = json.loads(path.read_text())
     data["auto_map"] = {"AutoConfig": f"{CONFIG_MODULE}.BailingMoeConfig"}

@@ -167,7 +167,7 @@ def test_transformers_tokenizer_loads_eos_pad_and_ling_chat(sharded: tuple[Path,
 
 def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded: tuple[Path, LingForCausalLM]) -> None:
     """transformers follows config.json's auto_map, offline, to the configuration code: in a Hub repository in
-    the cache (``code_repo``: the repository there holds bench/vllm_ling_config.py as Ling's configuration
+    the cache (``code_repo``: the repository there holds lingctl's configuration_bailing_moe.py as Ling's
     module, and no code is written beside the weights) and beside the weights (the default)."""
     pytest.importorskip("transformers")
     from tests.support.hf_cache import cache_repo
@@ -175,7 +175,7 @@ def test_auto_map_loads_ling_config_through_transformers(tmp_path: Path, sharded
     path, model = sharded
     code = tmp_path / "code"
     code.mkdir()
-    shutil.copyfile(REPO / "bench" / "vllm_ling_config.py", code / "configuration_bailing_moe.py")
+    shutil.copyfile(REPO / "lingctl/model/hf_code/configuration_bailing_moe.py", code / "configuration_bailing_moe.py")
     hf_home = tmp_path / "hf"
     cache_repo(hf_home, LING_CODE_REPO, code)
     hub_form = tmp_path / "hub_form"
