@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,21 @@ def _state(rank: int, world: int) -> dict:
     return state
 
 
+def _die_once_writing(directory: Path, after: float) -> None:
+    """SIGKILL this process ``after`` seconds once a data file exists: mid-save however slow the machine."""
+    while not any(directory.glob("__*.distcp")):
+        time.sleep(0.01)
+    time.sleep(after)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _save(rank: int, world: int, directory: str, slow_bps: float | None, die_after: float | None) -> dict:
     state = _state(rank, world)
     planner = PCacheSavePlanner(ranks_per_node=2, chunk_bytes=CHUNK)
     throttle = NodeThrottle(Path(directory).parent / f"node{rank // 2}.throttle", slow_bps) if slow_bps else None
     writer = PCacheWriter(directory, buffer_bytes=CHUNK, throttle=throttle)
     if die_after is not None and rank == 1:
-        threading.Timer(die_after, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Thread(target=_die_once_writing, args=(Path(directory), die_after), daemon=True).start()
     dcp.save(state, storage_writer=writer, planner=planner)
     return {
         "summary": planner.summary,
@@ -169,7 +178,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(
     # ~1 MiB per node at 0.5 MB/s: the save is well under way when rank 1 is killed.
     # The kill surfaces as the dead rank's exit, or as another rank's error when that one is seen first.
     with pytest.raises((torch.multiprocessing.ProcessExitedException, torch.multiprocessing.ProcessRaisedException)):
-        run_workers(_save, 4, str(broken), 0.5e6, 0.8, timeout=60)
+        run_workers(_save, 4, str(broken), 0.5e6, 0.3, timeout=60)
     assert broken.exists() and any(broken.glob("__*.distcp"))  # it had started writing
     assert not (broken / MARKER).exists() and not (broken / METADATA).exists()
     assert {p.name: p.stat().st_mtime_ns for p in previous.iterdir()} == before
