@@ -159,9 +159,8 @@ def lm_eval_task_configs(hellaswag: Path, arc: Path, yaml_task: Path) -> list[di
     arc_cfg.update(training_split=None, validation_split=None, task="arc_rows")
     for cfg in (hs, arc_cfg):
         cfg.pop("tag", None)
-    own = yaml.safe_load(yaml_task.read_text())
-    del own  # scored on lm-eval's side only, until flood eval reads lm-eval task files
-    return [hs, arc_cfg]
+    own = yaml.safe_load(yaml_task.read_text())  # the very file flood eval reads
+    return [hs, arc_cfg, own]
 
 
 def run_lm_eval(ckpt: Path, configs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -213,8 +212,7 @@ def main() -> None:
         hs_file, arc_file = write_jsonl(work / "hellaswag.jsonl", hs), write_jsonl(work / "arc.jsonl", arc)
         yaml_task = work / "arc_yaml.yaml"
         yaml_task.write_text(arc_yaml("arc_yaml", arc_file))
-        # The YAML task goes to flood too once flood eval reads lm-eval task files.
-        files = {"hellaswag": hs_file, "arc_rows": arc_file}
+        files = {"hellaswag": hs_file, "arc_rows": arc_file, "arc_yaml": yaml_task}
         flood = {task: run_flood(ckpt, path, work / f"{task}.eval.jsonl") for task, path in files.items()}
         lm = run_lm_eval(ckpt, lm_eval_task_configs(hs_file, arc_file, yaml_task))
     rows = {task: compare(flood[task], lm[task]) for task in flood}

@@ -22,9 +22,10 @@ from lingctl.flood.engine.options import EngineOptions
 TasksArg = Annotated[
     list[Path],
     typer.Argument(
-        metavar="TASKS.jsonl...",
+        metavar="TASKS...",
         help='Task files, one item per line: multiple choice {"id", "context", "choices", "answer"} or '
-        'generation {"id", "prompt", "answer", "stop", "max_tokens"}; a task is named by its file.',
+        'generation {"id", "prompt", "answer", "stop", "max_tokens"}; a task is named by its file. Also '
+        "lm-evaluation-harness task files (.yaml, .yml) over local data files.",
     ),
 ]
 EvalModelOpt = Annotated[
@@ -49,13 +50,14 @@ EvalOutOpt = Annotated[
     ),
 ]
 NumFewshotOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--num-fewshot",
         "-k",
         metavar="K",
         help='Solved examples before each item, from the items marked "fewshot": true, else the first K '
-        "other items of its file.",
+        "other items of its file (an lm-eval task file: its few-shot split). Default: an lm-eval task file's "
+        "num_fewshot, else 0.",
     ),
 ]
 RegexOpt = Annotated[
@@ -94,7 +96,7 @@ def eval_cmd(
     tasks: TasksArg,
     model: EvalModelOpt,
     out: EvalOutOpt = None,
-    num_fewshot: NumFewshotOpt = 0,
+    num_fewshot: NumFewshotOpt = None,
     regex: RegexOpt = None,
     follow: FollowOpt = False,
     poll: PollOpt = 5.0,

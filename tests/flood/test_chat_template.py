@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from lingctl.core.errors import LingctlError
-from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer
+from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer, TextTemplates
 from tests.flood.conftest import CHAT_TEMPLATE
 
 LIMITS = TemplateLimits(timeout_s=0.5, grace_s=1.0, max_chars=100_000, memory_bytes=256 << 20)
@@ -152,3 +152,20 @@ def test_raise_exception_and_template_errors_are_the_request_error(renderer: Tem
     with TemplateRenderer("{{ messages.__class__ }}{{ ''.__class__.__mro__ }}", LIMITS) as r:
         with pytest.raises(RenderError, match="chat template failed"):
             r.render(_msg("a"))
+
+
+def test_text_templates_render_many_rows_in_lm_evals_environment_under_one_time_limit() -> None:
+    docs = [{"q": f"q{i}", "opts": ["a", "b"]} for i in range(600)]  # several batches
+    with TextTemplates(LIMITS) as templates:
+        texts = templates.render_many("Q: {{q}}\n{{ opts[1] | regex_replace('b', 'B') }}\n", docs)
+        assert texts[0] == "Q: q0\nB\n" and texts[-1] == "Q: q599\nB\n"  # the final newline kept, as lm-eval
+        missing = templates.render_many("{{q}} {{nope}}", docs[:2])
+        assert [str(m) for m in missing] == ["template failed: 'nope' is undefined"] * 2
+        assert isinstance(missing[0], RenderError)
+        with pytest.raises(LingctlError, match="the template does not compile"):
+            templates.render_many("{{ q ", docs[:1])
+        started = time.monotonic()
+        with pytest.raises(RenderError, match="took longer than 0.5 s"):  # the batch's limit, not each row's
+            templates.render_many(HOSTILE["nested"], docs[:50])
+        assert time.monotonic() - started < LIMITS.timeout_s + LIMITS.grace_s
+        assert templates.render_many("{{ q }}", docs[:1]) == ["q0"]

@@ -94,12 +94,10 @@ class ModelEvaluation:
         codec: TextCodec,
         tasks: list[Task],
         *,
-        num_fewshot: int,
         engine: EngineOptions,
         skip: set[tuple[str, str]] | None = None,
     ) -> None:
         self.md, self.codec, self.tasks = md, codec, tasks
-        self.num_fewshot = num_fewshot
         self.opts = engine
         self.run = ModelRun()
         self._requests: list[GenRequest] = []
@@ -119,7 +117,7 @@ class ModelEvaluation:
                 if (task.name, item.id) in skip:
                     continue
                 key = len(self._pending)
-                before = task.text_before(item, self.num_fewshot)
+                before = task.text_before(item, task.num_fewshot)
                 pending = (
                     self._choice(key, item, before) if item.kind == CHOICE else self._generation(key, item, before)
                 )
@@ -234,7 +232,7 @@ def item_record(p: _Pending) -> dict[str, Any]:
         return {**base, "pred": None, "answer": item.answer, "correct": False, "error": p.error}
     if item.kind == CHOICE:
         scores = [float(s) for s in p.scores if s is not None]
-        norm = [s / choice_length(c) for s, c in zip(scores, item.choices, strict=True)]
+        norm = [s / choice_length(c, item.delimiter) for s, c in zip(scores, item.choices, strict=True)]
         pred, pred_norm = _argmax(scores), _argmax(norm)
         return {
             **base,
@@ -249,12 +247,17 @@ def item_record(p: _Pending) -> dict[str, Any]:
             "greedy": p.greedy,
             **({"truncated": True} if p.truncated else {}),
         }
-    pred_text = extract_answer(p.text, item.regex)
+    if item.match is not None:  # an lm-eval task: its filter and exact_match, on the output as generated
+        pred_text = item.match.answer(p.text)
+        correct = item.match.normalize(pred_text) == item.match.normalize(str(item.answer))
+    else:
+        pred_text = extract_answer(p.text, item.regex)
+        correct = pred_text == str(item.answer).strip()
     return {
         **base,
         "pred": pred_text,
         "answer": item.answer,
-        "correct": pred_text == str(item.answer).strip(),
+        "correct": correct,
         "text": p.text,
         "finish_reason": p.finish_reason,
         "tokens": p.tokens,
@@ -262,10 +265,13 @@ def item_record(p: _Pending) -> dict[str, Any]:
     }
 
 
-def choice_length(choice: str) -> int:
+def choice_length(choice: str, delimiter: str | None = None) -> int:
     """What acc_norm divides a choice's log-likelihood by, as lm-evaluation-harness does: its length in
-    characters, without one leading space (lm-eval scores ``target_delimiter + choice`` but divides by
-    ``len(choice)``; a task converted from lm-eval carries the delimiter in each choice). At least 1."""
+    characters, without the delimiter in front (lm-eval scores ``target_delimiter + choice`` but divides by
+    ``len(choice)``; a task converted from lm-eval carries the delimiter in each choice): ``delimiter`` when
+    the item says which, else one leading space. At least 1."""
+    if delimiter is not None:
+        return max(1, len(choice) - len(delimiter))
     return max(1, len(choice) - (1 if choice.startswith(" ") else 0))
 
 

@@ -44,7 +44,7 @@ JOURNAL = "journal"  # the manifest's record of OUT.partial (and OUTPUT of OUT i
 
 
 def eval_manifest(
-    *, model: str, fingerprint: str, tasks: list[Task], num_fewshot: int, engine: EngineOptions
+    *, model: str, fingerprint: str, tasks: list[Task], num_fewshot: int | dict[str, int], engine: EngineOptions
 ) -> dict[str, Any]:
     own = {
         "format": FORMAT,

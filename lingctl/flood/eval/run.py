@@ -51,7 +51,7 @@ class EvalOptions:
     tasks: list[Path]
     model: Path | str
     out: Path | None = None  # a model: the results JSONL ('-': standard output); a run: a directory
-    num_fewshot: int = 0
+    num_fewshot: int | None = None  # None: each task file's own (an lm-eval task's num_fewshot), else 0
     regex: str | None = None
     engine: EngineOptions = field(default_factory=EngineOptions)
     follow: bool = False
@@ -60,7 +60,7 @@ class EvalOptions:
 
     def validate(self) -> None:
         self.engine.validate()
-        if self.num_fewshot < 0:
+        if self.num_fewshot is not None and self.num_fewshot < 0:
             raise UsageError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
         if self.drop_k < 0:
             raise UsageError(f"--drop-k must be >= 0, got {self.drop_k}")
@@ -91,7 +91,7 @@ class EvalSummary:
     mode: str  # "model" or "run"
     model: str
     out: str
-    num_fewshot: int
+    num_fewshot: int | dict[str, int]  # one for every task, else per task
     results: list[ModelResult] = field(default_factory=list)  # one per model / checkpoint, in step order
     drops: list[Drop] = field(default_factory=list)
     table: str | None = None
@@ -112,7 +112,7 @@ def run_eval(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> EvalSummary:
     opts.validate()
-    tasks = read_tasks(opts.tasks, regex=opts.regex)
+    tasks = read_tasks(opts.tasks, regex=opts.regex, num_fewshot=opts.num_fewshot)
     started = time.monotonic()
     spec = opts.model
     if Path(spec).is_dir() and is_run_dir(Path(spec)):
@@ -122,7 +122,7 @@ def run_eval(
             raise UsageError(f"--follow needs a training run directory; {spec} is not one")
         model_dir = resolve_model_dir(spec, option="--model")
         out = opts.out if opts.out is not None else default_out(opts.tasks[0])
-        summary = EvalSummary(mode="model", model=str(spec), out=str(out), num_fewshot=opts.num_fewshot)
+        summary = EvalSummary(mode="model", model=str(spec), out=str(out), num_fewshot=fewshot_setting(tasks))
         summary.results.append(
             evaluate_one(model_dir, tasks, opts, out, label=str(spec), should_stop=should_stop, on_progress=on_progress)
         )
@@ -167,7 +167,6 @@ def evaluate_one(
             md,
             codec,
             tasks,
-            num_fewshot=opts.num_fewshot,
             engine=opts.engine,
             skip=files.done_keys if files is not None else None,
         )
@@ -196,9 +195,19 @@ def evaluate_one(
 def _results_file(md: ModelDir, tasks: list[Task], opts: EvalOptions, out: Path) -> ResultsFile:
     """The results file of this model at ``out``: one to reuse or continue when its manifest matches."""
     manifest = eval_manifest(
-        model=str(md.path), fingerprint=md.fingerprint(), tasks=tasks, num_fewshot=opts.num_fewshot, engine=opts.engine
+        model=str(md.path),
+        fingerprint=md.fingerprint(),
+        tasks=tasks,
+        num_fewshot=fewshot_setting(tasks),
+        engine=opts.engine,
     )
     return ResultsFile(out, manifest)
+
+
+def fewshot_setting(tasks: list[Task]) -> int | dict[str, int]:
+    """The shots before each item: one number when every task has the same, else task → number."""
+    ks = {t.num_fewshot for t in tasks}
+    return ks.pop() if len(ks) == 1 else {t.name: t.num_fewshot for t in tasks}
 
 
 def _finish_result(result: ModelResult, tasks: list[Task], records: list[dict[str, Any]]) -> ModelResult:
@@ -229,7 +238,7 @@ def _run_mode(
     if str(out) == STDOUT:
         raise UsageError("a run's evaluation writes a directory of files; '-o -' is for one model", hint="pass -o DIR")
     _own_dir(out, run)
-    summary = EvalSummary(mode="run", model=str(run), out=str(out), num_fewshot=opts.num_fewshot)
+    summary = EvalSummary(mode="run", model=str(run), out=str(out), num_fewshot=fewshot_setting(tasks))
     done: set[int] = set()
     while True:
         # Asked before listing: once the run is finished, this listing holds its last checkpoint.

@@ -16,12 +16,15 @@ harness's prompts (``dataset_rows.py``).
 Few-shot prompts are built from the file itself: items marked ``"fewshot": true`` form the pool (and are not
 scored); without such items an item's shots are the first K other items of the file. The same shots precede
 many items, so the engine computes that block once (prefix sharing).
+
+lm-evaluation-harness task files (``*.yaml``, ``*.yml``) are read into the same tasks (``lm_eval_yaml.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ GENERATE = "generate"
 FEWSHOT_DELIMITER = "\n\n"  # between shots, and between the last shot and the item (lm-evaluation-harness's)
 DEFAULT_MAX_TOKENS = 32
 MAX_ID_CHARS = 256
+YAML_SUFFIXES = (".yaml", ".yml")
 _CHOICE_KEYS = {"id", "context", "choices", "answer", "fewshot"}
 _GENERATE_KEYS = {"id", "prompt", "answer", "stop", "max_tokens", "regex", "fewshot"}
 
@@ -54,10 +58,17 @@ class EvalItem:
     max_tokens: int = DEFAULT_MAX_TOKENS
     regex: str | None = None
     fewshot: bool = False
+    # Set by lm-eval task files (None or '' in flood's own):
+    shot: str | None = None  # this item as a solved example, when its file says how (text, delimiter, target)
+    description: str = ""  # before the few-shot block, once
+    delimiter: str | None = None  # in front of each choice; acc_norm's length leaves it out (else one space)
+    match: AnswerMatch | None = None  # generation: lm-eval's filter and exact_match, instead of ``regex``
 
     @property
     def shot_text(self) -> str:
         """This item as a solved example in another item's few-shot prompt."""
+        if self.shot is not None:
+            return self.shot
         if self.kind == CHOICE:
             assert isinstance(self.answer, int)
             return self.context + self.choices[self.answer]
@@ -69,29 +80,33 @@ class Task:
     name: str
     kind: str
     path: Path
-    sha256: str  # of the file's bytes: an output records which task file it answers
+    sha256: str  # of the file's bytes (an lm-eval task's: its YAML and data files): what an output answered
     items: list[EvalItem]  # scored items, in file order
     pool: list[EvalItem]  # few-shot examples ("fewshot": true), in file order
+    num_fewshot: int = 0  # shots before each item: --num-fewshot, else the task file's own default
+    fewshot_delimiter: str = FEWSHOT_DELIMITER
 
     def shots(self, item: EvalItem, k: int) -> list[EvalItem]:
         """The item's K examples: the pool's first K, or else the first K other scored items."""
         source = self.pool if self.pool else [x for x in self.items if x is not item]
         if k > len(source):
             raise UsageError(
-                f"{self.path}: --num-fewshot {k} needs {k} examples; the file has {len(source)} "
+                f"{self.path}: {k}-shot needs {k} examples; the task has {len(source)} "
                 + ("marked fewshot" if self.pool else "other items")
             )
         return source[:k]
 
     def text_before(self, item: EvalItem, k: int) -> str:
-        """The few-shot block that precedes the item's own context or prompt ('' with k = 0)."""
+        """The item's description and few-shot block, which precede its own context or prompt ('' for a
+        flood task with k = 0)."""
         if k == 0:
-            return ""
-        return "".join(s.shot_text + FEWSHOT_DELIMITER for s in self.shots(item, k))
+            return item.description
+        return item.description + "".join(s.shot_text + self.fewshot_delimiter for s in self.shots(item, k))
 
 
-def read_tasks(paths: list[Path], *, regex: str | None = None) -> list[Task]:
-    """Every task file, validated whole before anything runs: a bad line is a usage error naming it."""
+def read_tasks(paths: list[Path], *, regex: str | None = None, num_fewshot: int | None = None) -> list[Task]:
+    """Every task file, validated whole before anything runs: a bad line is a usage error naming it. Each task's
+    ``num_fewshot`` is ``num_fewshot`` when given, else its file's own (an lm-eval task's), else 0."""
     if not paths:
         raise UsageError("no task file given")
     if regex is not None:
@@ -99,11 +114,19 @@ def read_tasks(paths: list[Path], *, regex: str | None = None) -> list[Task]:
     tasks: list[Task] = []
     seen: dict[str, Path] = {}
     for path in paths:
-        task = _read_task(Path(path), regex)
+        if Path(path).suffix.lower() in YAML_SUFFIXES:
+            from lingctl.flood.eval.lm_eval_yaml import read_yaml_task  # imports PyYAML only when needed
+
+            task = read_yaml_task(Path(path), num_fewshot)
+            if regex is not None and task.kind == GENERATE:
+                raise UsageError(f"{path}: --regex does not apply to an lm-eval task file (its filter_list does)")
+        else:
+            task = _read_task(Path(path), regex)
+            task.num_fewshot = num_fewshot or 0
         if task.name in seen:
             raise UsageError(
                 f"two task files are both named {task.name!r}: {seen[task.name]} and {path}",
-                hint="a task is named by its file's stem; rename one",
+                hint="a task is named by its file's stem (an lm-eval task file's by its 'task'); rename one",
             )
         seen[task.name] = task.path
         tasks.append(task)
@@ -132,9 +155,9 @@ def _read_task(path: Path, regex: str | None) -> Task:
             ) from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: not a JSON object")
-        _check_unicode(obj, where)
+        check_unicode(obj, where)
         obj = convert_row(obj, number, where) or obj  # a HellaSwag, ARC, MMLU, PIQA or GSM8K row as exported
-        item = _item(obj, name, number, where, regex)
+        item = parse_item(obj, name, number, where, regex)
         if kind is None:
             kind = item.kind
         elif item.kind != kind:
@@ -160,7 +183,8 @@ def _read_task(path: Path, regex: str | None) -> Task:
     )
 
 
-def _item(obj: dict[str, Any], task: str, line: int, where: str, default_regex: str | None) -> EvalItem:
+def parse_item(obj: dict[str, Any], task: str, line: int, where: str, default_regex: str | None) -> EvalItem:
+    """One item in flood's form, each field checked; a usage error naming ``where`` otherwise."""
     item_id = obj.get("id")
     if not isinstance(item_id, str) or not item_id or len(item_id) > MAX_ID_CHARS:
         raise UsageError(f"{where}: 'id' must be a non-empty string of at most {MAX_ID_CHARS} characters")
@@ -216,7 +240,7 @@ def _generation_item(obj: dict[str, Any], item: EvalItem, where: str, default_re
     return item
 
 
-def _check_unicode(obj: dict[str, Any], where: str) -> None:
+def check_unicode(obj: dict[str, Any], where: str) -> None:
     """Refuse a line whose text is not valid Unicode. JSON's ``"\\ud800"`` escape decodes to a lone surrogate,
     which has no UTF-8 form: the tokenizer, the results file and the terminal would each fail on it later."""
     for key, value in obj.items():
@@ -266,3 +290,41 @@ def extract_answer(text: str, regex: str | None) -> str:
     if match is None:
         return ""
     return (match.group(1) if match.re.groups else match.group(0) or "").strip()
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AnswerMatch:
+    """How an lm-eval ``generate_until`` task scores an output: its ``regex`` filter then ``take_first`` (the
+    output's ``re.findall`` matches, the ``group_select``-th, its first non-empty group, stripped; ``fallback``
+    when nothing matches; the raw output without a filter), then ``exact_match``'s options applied to that
+    answer and to the target alike (``lm_eval.api.metrics.exact_match_hf_evaluate``)."""
+
+    regex: str | None = None
+    group_select: int = 0
+    fallback: str = "[invalid]"
+    regexes_to_ignore: tuple[str, ...] = ()
+    ignore_case: bool = False
+    ignore_punctuation: bool = False
+    ignore_numbers: bool = False
+
+    def answer(self, text: str) -> str:
+        if self.regex is None:
+            return text
+        found = re.findall(self.regex, text)
+        if not found or not -len(found) <= self.group_select < len(found):
+            return self.fallback
+        match = found[self.group_select]
+        if isinstance(match, tuple):
+            match = next((m for m in match if m), self.fallback)
+        return str(match).strip()
+
+    def normalize(self, text: str) -> str:
+        for pattern in self.regexes_to_ignore:
+            text = re.sub(pattern, "", text)
+        if self.ignore_case:
+            text = text.lower()
+        if self.ignore_punctuation:
+            text = text.translate(str.maketrans("", "", string.punctuation))
+        if self.ignore_numbers:
+            text = text.translate(str.maketrans("", "", string.digits))
+        return text

@@ -23,6 +23,10 @@ checked when they run: a repeated string longer than ``max_chars``, or an intege
 A request that fails or passes a limit fails alone (``RenderError``); a template that does not compile fails
 the run (it would fail every request). The worker starts on the first chat request, so a batch without chat
 requests never starts it; it costs one interpreter start and a pipe round trip per request.
+
+The same worker, in text mode (``TextTemplates``), renders the prompt templates of lm-evaluation-harness task
+files over their data rows, in lm-eval's environment instead of transformers' (``_text_environment``): any
+number of templates, each compiled once, and a batch of rows per request under one time limit.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import sys
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lingctl.core.errors import LingctlError
 
@@ -48,6 +52,7 @@ START_TIMEOUT_S = 60.0  # interpreter start and imports, on a busy machine
 _READ_CHUNK = 1 << 16
 _MESSAGE_CHARS = 300
 MAX_INT_BITS = 1 << 16  # about 20,000 digits; (10**4096)**4096 took 19 s in C
+_Client = TypeVar("_Client", bound="_WorkerClient")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -65,12 +70,10 @@ class RenderError(ValueError):
     """One request's render failed or passed a limit; the others are unaffected."""
 
 
-def _environment(max_chars: int) -> Any:
-    """The environment transformers renders chat templates in (``chat_environment``), with ``*`` and ``**``
-    checked before they run (and so never folded at compile time)."""
+def _limited_class(max_chars: int) -> Any:
+    """Jinja's immutable sandbox with ``*`` and ``**`` checked before they run (and so never folded at
+    compile time)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    from lingctl.flood.text.chat_environment import chat_environment
 
     class LimitedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**"})
@@ -79,7 +82,26 @@ def _environment(max_chars: int) -> Any:
             _check_binop(operator, left, right, max_chars)
             return super().call_binop(context, operator, left, right)
 
-    return chat_environment(LimitedEnvironment, optimized=False)
+    return LimitedEnvironment
+
+
+def _environment(max_chars: int) -> Any:
+    """The environment transformers renders chat templates in (``chat_environment``), limited."""
+    from lingctl.flood.text.chat_environment import chat_environment
+
+    return chat_environment(_limited_class(max_chars), optimized=False)
+
+
+def _text_environment(max_chars: int) -> Any:
+    """The environment lm-evaluation-harness renders task templates in (``lm_eval.utils.env``: a missing
+    variable is an error, a final newline is kept, a ``regex_replace`` filter), limited and sandboxed."""
+    import re
+
+    from jinja2 import StrictUndefined
+
+    env = _limited_class(max_chars)(undefined=StrictUndefined, keep_trailing_newline=True, optimized=False)
+    env.filters["regex_replace"] = lambda s, pattern, repl, count=0: re.sub(pattern, repl, s, count=count)
+    return env
 
 
 def _check_binop(operator: str, left: Any, right: Any, max_chars: int) -> None:
@@ -112,72 +134,17 @@ def check_syntax(source: str) -> None:
         raise LingctlError(f"the chat template does not compile: {type(exc).__name__}") from None
 
 
-class TemplateRenderer:
-    """Renders one chat template for many requests in a worker process (started on first use)."""
+class _WorkerClient:
+    """One worker process (started on first use) and the request/reply exchange with it, under the limits.
+    ``label`` names what it renders in messages ("chat template", "template")."""
 
-    def __init__(self, source: str, limits: TemplateLimits | None = None) -> None:
-        check_syntax(source)  # found before any work: a template that does not parse fails every request
-        self.source = source
+    def __init__(self, config: dict[str, Any], limits: TemplateLimits | None, label: str) -> None:
         self.limits = limits or TemplateLimits()
+        self.label = label
+        self._config = config
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = bytearray()
         self._finalizer: weakref.finalize | None = None
-
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        special_tokens: Mapping[str, str] | None = None,
-        tools: list[Any] | None = None,
-        documents: list[Any] | None = None,
-    ) -> str:
-        """The prompt text for ``messages``, rendered with the variables transformers gives a template:
-        ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and ``special_tokens`` (``bos_token``,
-        ``eos_token``, ...: ``ModelDir.special_tokens``). ``RenderError`` when this request's render fails or
-        passes a limit; ``LingctlError`` when the worker cannot be started at all."""
-        from lingctl.flood.text.chat_environment import template_messages
-
-        # Special tokens first: as in transformers, a variable of the same name wins over a token.
-        variables = {
-            **(special_tokens or {}),
-            "messages": template_messages(messages),
-            "tools": tools,
-            "documents": documents,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        request = _line(variables)
-        for attempt in (1, 2):
-            proc = self._worker()
-            try:
-                _send(proc, request)
-                break
-            except OSError:  # the worker exited while idle (killed from outside): start another, once
-                self._stop()
-                if attempt == 2:
-                    raise LingctlError("the chat template worker exits as soon as it starts") from None
-        deadline = time.monotonic() + self.limits.timeout_s + self.limits.grace_s
-        try:
-            reply = self._receive(proc, deadline)
-        except TimeoutError:
-            self._stop()
-            log.warning(
-                "the chat template worker did not answer within %g s; it was stopped and the request "
-                "it was rendering fails",
-                self.limits.timeout_s + self.limits.grace_s,
-            )
-            raise RenderError(f"the chat template took longer than {self.limits.timeout_s:g} s") from None
-        except EOFError:
-            status = self._stop()
-            raise RenderError(
-                f"the chat template worker {status} while rendering this request (out of "
-                f"memory, for example: the limit is {self.limits.memory_bytes >> 20} MiB)"
-            ) from None
-        if "error" in reply:
-            if reply.get("slow"):  # each such request costs the whole time limit: say so as it happens
-                log.warning("a chat request's template render was stopped after %g s", self.limits.timeout_s)
-            raise RenderError(str(reply["error"]))
-        return str(reply["text"])
 
     @property
     def worker_pid(self) -> int | None:
@@ -187,7 +154,7 @@ class TemplateRenderer:
     def close(self) -> None:
         self._stop()
 
-    def __enter__(self) -> TemplateRenderer:
+    def __enter__(self: _Client) -> _Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -203,18 +170,18 @@ class TemplateRenderer:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
         except OSError as exc:
-            raise LingctlError(f"cannot start the chat template worker: {exc}") from None
+            raise LingctlError(f"cannot start the {self.label} worker: {exc}") from None
         self._proc = proc
         self._buf.clear()
         self._finalizer = weakref.finalize(self, _kill, proc)
         limits = self.limits
         try:
-            _send(proc, _line({"template": self.source, **dataclasses.asdict(limits)}))
+            _send(proc, _line({**self._config, "label": self.label, **dataclasses.asdict(limits)}))
             reply = self._receive(proc, time.monotonic() + START_TIMEOUT_S)
         except (OSError, EOFError, TimeoutError) as exc:
             status = self._stop()
             raise LingctlError(
-                f"the chat template worker {status or 'failed'} while starting ({type(exc).__name__})"
+                f"the {self.label} worker {status or 'failed'} while starting ({type(exc).__name__})"
             ) from None
         if not reply.get("ready"):
             self._stop()
@@ -263,6 +230,118 @@ class TemplateRenderer:
             except ValueError:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
+
+    def _ask(self, request: bytes) -> dict[str, Any]:
+        """The worker's reply to ``request``. ``RenderError`` when the worker is stopped or dies on it;
+        ``LingctlError`` when it cannot be started at all."""
+        for attempt in (1, 2):
+            proc = self._worker()
+            try:
+                _send(proc, request)
+                break
+            except OSError:  # the worker exited while idle (killed from outside): start another, once
+                self._stop()
+                if attempt == 2:
+                    raise LingctlError(f"the {self.label} worker exits as soon as it starts") from None
+        deadline = time.monotonic() + self.limits.timeout_s + self.limits.grace_s
+        try:
+            return self._receive(proc, deadline)
+        except TimeoutError:
+            self._stop()
+            log.warning(
+                "the %s worker did not answer within %g s; it was stopped and the request it was rendering fails",
+                self.label,
+                self.limits.timeout_s + self.limits.grace_s,
+            )
+            raise RenderError(f"the {self.label} took longer than {self.limits.timeout_s:g} s") from None
+        except EOFError:
+            status = self._stop()
+            raise RenderError(
+                f"the {self.label} worker {status} while rendering this request (out of "
+                f"memory, for example: the limit is {self.limits.memory_bytes >> 20} MiB)"
+            ) from None
+
+    def _failed(self, reply: dict[str, Any]) -> RenderError:
+        if reply.get("slow"):  # each such request costs the whole time limit: say so as it happens
+            log.warning("a %s render was stopped after %g s", self.label, self.limits.timeout_s)
+        return RenderError(str(reply["error"]))
+
+
+class TemplateRenderer(_WorkerClient):
+    """Renders one chat template for many requests in a worker process (started on first use)."""
+
+    def __init__(self, source: str, limits: TemplateLimits | None = None) -> None:
+        check_syntax(source)  # found before any work: a template that does not parse fails every request
+        super().__init__({"template": source}, limits, "chat template")
+        self.source = source
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        special_tokens: Mapping[str, str] | None = None,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``, rendered with the variables transformers gives a template:
+        ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and ``special_tokens`` (``bos_token``,
+        ``eos_token``, ...: ``ModelDir.special_tokens``). ``RenderError`` when this request's render fails or
+        passes a limit; ``LingctlError`` when the worker cannot be started at all."""
+        from lingctl.flood.text.chat_environment import template_messages
+
+        # Special tokens first: as in transformers, a variable of the same name wins over a token.
+        variables = {
+            **(special_tokens or {}),
+            "messages": template_messages(messages),
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        reply = self._ask(_line(variables))
+        if "error" in reply:
+            raise self._failed(reply)
+        return str(reply["text"])
+
+
+class TextTemplates(_WorkerClient):
+    """Renders any number of text templates (lm-evaluation-harness task prompts) over many variable sets, in
+    one worker under the same limits, in lm-eval's environment (``_text_environment``). Variable sets go in
+    batches (one pipe round trip for many rows; 10,000 rows of three templates take about 0.9 s), and the
+    time limit is each batch's."""
+
+    BATCH = 256
+
+    def __init__(self, limits: TemplateLimits | None = None) -> None:
+        super().__init__({"mode": "text"}, limits, "template")
+
+    def render_many(self, source: str, docs: Sequence[Mapping[str, Any]]) -> list[str | RenderError]:
+        """``source`` rendered with each of ``docs`` as its variables: the text, or that render's
+        ``RenderError``. ``LingctlError`` when the template does not compile."""
+        out: list[str | RenderError] = []
+        for start in range(0, len(docs), self.BATCH):
+            batch = list(docs[start : start + self.BATCH])
+            reply = self._ask(_line({"source": source, "docs": batch}))
+            if "error" in reply:
+                if reply.get("compile"):
+                    raise LingctlError(str(reply["error"]))
+                raise self._failed(reply)
+            for result in reply["results"]:
+                out.append(RenderError(str(result["error"])) if "error" in result else str(result["text"]))
+        return out
+
+
+def check_text_syntax(source: str) -> str | None:
+    """Why a task template does not parse ('' never; None when it parses). Parsing evaluates nothing."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        _text_environment(0).parse(source)
+    except TemplateError as exc:
+        return _one_line(str(exc))
+    except (RecursionError, MemoryError) as exc:
+        return type(exc).__name__
+    return None
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -327,11 +406,13 @@ def _compile(source: str, limits: dict[str, Any]) -> Any:
     """The compiled template, or a one-line ``LingctlError``."""
     from jinja2.exceptions import TemplateError
 
-    what = "the chat template does not compile"
+    label = limits.get("label", "chat template")
+    what = f"the {label} does not compile"
+    environment = _text_environment if limits.get("mode") == "text" else _environment
     try:
         _start_timer(limits["timeout_s"])
         try:
-            return _environment(limits["max_chars"]).from_string(source)
+            return environment(limits["max_chars"]).from_string(source)
         finally:
             _stop_timer()
     except _TimeUp:
@@ -347,6 +428,7 @@ def _compile(source: str, limits: dict[str, Any]) -> Any:
 def _render(template: Any, request: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
     from jinja2.exceptions import TemplateError
 
+    label = limits.get("label", "chat template")
     parts: list[str] = []
     size = 0
     try:
@@ -355,28 +437,48 @@ def _render(template: Any, request: dict[str, Any], limits: dict[str, Any]) -> d
             for chunk in template.generate(request):
                 size += len(chunk)
                 if size > limits["max_chars"]:
-                    return {"error": f"the chat template produced more than {limits['max_chars']:,} characters"}
+                    return {"error": f"the {label} produced more than {limits['max_chars']:,} characters"}
                 parts.append(chunk)
         finally:
             _stop_timer()
     except _TimeUp:
-        return {"error": f"the chat template took longer than {limits['timeout_s']:g} s", "slow": True}
+        return {"error": f"the {label} took longer than {limits['timeout_s']:g} s", "slow": True}
     except MemoryError:
         parts.clear()
-        return {"error": f"the chat template needed more than {limits['memory_bytes'] >> 20} MiB of memory"}
+        return {"error": f"the {label} needed more than {limits['memory_bytes'] >> 20} MiB of memory"}
     except TemplateError as exc:
-        return {"error": f"chat template failed: {_one_line(str(exc))}"}
+        return {"error": f"{label} failed: {_one_line(str(exc))}"}
     except Exception as exc:  # the template's own error (a bad operation, a sandbox refusal, range too big)
-        return {"error": f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}"}
+        return {"error": f"{label} failed: {type(exc).__name__}: {_one_line(str(exc))}"}
     text = "".join(parts)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         return {
-            "error": f"the chat template produced text that is not valid Unicode (a lone surrogate at "
-            f"character {exc.start})"
+            "error": f"the {label} produced text that is not valid Unicode (a lone surrogate at character {exc.start})"
         }
     return {"text": text}
+
+
+def _render_batch(request: dict[str, Any], compiled: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    """Text mode: one template (compiled once, then kept) over a batch of variable sets."""
+    source = request["source"]
+    if source not in compiled:
+        try:
+            compiled[source] = _compile(source, limits)
+        except LingctlError as exc:
+            return {"error": exc.message, "compile": True}
+    template = compiled[source]
+    # The time limit is the batch's, so that the parent's deadline stays timeout_s + grace_s for any batch size.
+    deadline = time.monotonic() + limits["timeout_s"]
+    results = []
+    for doc in request["docs"]:
+        left = {**limits, "timeout_s": max(deadline - time.monotonic(), 1e-3)}
+        result = _render(template, doc, left)
+        if result.get("slow"):
+            return {**result, "error": f"the {limits['label']} took longer than {limits['timeout_s']:g} s"}
+        results.append(result)
+    return {"results": results}
 
 
 def _limit_memory(extra: int) -> None:
@@ -397,7 +499,8 @@ def _limit_memory(extra: int) -> None:
 
 
 def worker_main() -> int:
-    """The worker: a config line (template and limits), then one request line in, one reply line out."""
+    """The worker: a config line (limits, and the chat template unless ``mode`` is "text"), then one request
+    line in, one reply line out. A text-mode request names its template and carries a batch of variable sets."""
     # Ctrl-C reaches the whole process group; stopping is the parent's decision, which then closes our input.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -410,7 +513,8 @@ def worker_main() -> int:
     try:
         config = json.loads(stdin.readline())
         _limit_memory(int(config["memory_bytes"]))
-        template = _compile(config["template"], config)
+        text_mode = config.get("mode") == "text"
+        template = None if text_mode else _compile(config["template"], config)
     except (ValueError, KeyError, TypeError) as exc:
         reply({"error": f"the chat template worker got a bad configuration: {_one_line(str(exc))}"})
         return 1
@@ -418,15 +522,17 @@ def worker_main() -> int:
         reply({"error": exc.message})
         return 1
     reply({"ready": True})
+    compiled: dict[str, Any] = {}
     for raw in stdin:
         try:
-            out = _render(template, json.loads(raw), config)
+            request = json.loads(raw)
+            out = _render_batch(request, compiled, config) if text_mode else _render(template, request, config)
         except MemoryError:  # decoding the request itself
-            out = {"error": f"the chat template worker needed more than {config['memory_bytes'] >> 20} MiB"}
+            out = {"error": f"the {config.get('label')} worker needed more than {config['memory_bytes'] >> 20} MiB"}
         try:
             reply(out)
         except MemoryError:
-            reply({"error": "the chat template's output did not fit in the worker's memory"})
+            reply({"error": f"the {config.get('label')}'s output did not fit in the worker's memory"})
     return 0
 
 
