@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
+from lingctl.core.figures import FigureFormat, save_figure
 from lingctl.runs.layout import PLOT as PLOT_FILE  # noqa: F401  (re-exported: the run's default plot)
 
 
-def plot_metrics(records: list[dict[str, Any]], out: Path, *, title: str = "") -> Path:
-    """Write the curves of ``records`` to the PNG ``out`` (atomically); ``UsageError`` without step records.
+def plot_metrics(records: list[dict[str, Any]], out: Path, *, title: str = "", fmt: FigureFormat = "png") -> Path:
+    """Write the curves of ``records`` to ``out`` as a PNG (or ``fmt``), atomically; ``UsageError`` without step records.
     ``ImportError`` when matplotlib is missing."""
     steps = [r for r in records if r.get("event") == "step"]
     if not steps:
@@ -50,8 +50,6 @@ def plot_metrics(records: list[dict[str, Any]], out: Path, *, title: str = "") -
         if title:
             fig.suptitle(title)
         fig.tight_layout()
-        with atomic_write(Path(out)) as (_, f):
-            fig.savefig(f, format="png", dpi=100)
+        return save_figure(fig, Path(out), fmt)
     finally:
         plt.close(fig)
-    return Path(out)

@@ -186,6 +186,7 @@ def test_plot_scores_writes_a_png_matplotlib_reads_back(tmp_path: Path) -> None:
     assert plot_scores(steps_only, find_drops(steps_only, 0.0), tmp_path / "steps.png").read_bytes()[:4] == b"\x89PNG"
     single = [CheckpointScores(step=None, tokens=None, model="m", scores={"sums": generate(0.5)})]
     assert matplotlib.image.imread(plot_scores(single, [], tmp_path / "one.png")).ndim == 3
+    assert b"<svg" in plot_scores(points, [], tmp_path / "scores.svg", fmt="svg").read_bytes()[:500]
     assert not [p for p in tmp_path.iterdir() if TMP_MARKER in p.name]
     with pytest.raises(UsageError, match="no scores"):
         plot_scores([], [], tmp_path / "none.png")

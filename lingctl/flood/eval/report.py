@@ -17,6 +17,7 @@ from typing import Any
 
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import UsageError
+from lingctl.core.figures import FigureFormat, save_figure
 
 METRICS = ("acc", "acc_norm")
 TABLE_COLUMNS = (
@@ -264,8 +265,10 @@ def _x_axis(points: Sequence[CheckpointScores]) -> tuple[list[float], str]:
     return [float(i) for i in range(len(points))], "checkpoint"
 
 
-def plot_scores(points: Sequence[CheckpointScores], drops: Sequence[Drop], path: Path) -> Path:
-    """One PNG with a subplot per task: acc with its standard error as error bars, acc_norm dashed where the
+def plot_scores(
+    points: Sequence[CheckpointScores], drops: Sequence[Drop], path: Path, *, fmt: FigureFormat = "png"
+) -> Path:
+    """One PNG (or ``fmt``) with a subplot per task: acc with its standard error as error bars, acc_norm dashed where the
     task has it, against training tokens (steps when a point lacks its tokens); flagged drops in red.
     Written atomically; ``UsageError`` when there are no scores. ``ImportError`` when matplotlib is missing."""
     tasks = list(dict.fromkeys(task for p in points for task in p.scores))
@@ -288,14 +291,9 @@ def plot_scores(points: Sequence[CheckpointScores], drops: Sequence[Drop], path:
             else:
                 ax.set_visible(False)
         fig.tight_layout()
-        # Render first, then write: a failed render leaves no file, and the write is one atomic replace.
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=100)
+        return save_figure(fig, Path(path), fmt)
     finally:
         plt.close(fig)
-    with atomic_write(Path(path)) as (_, f):
-        f.write(png.getvalue())
-    return Path(path)
 
 
 def _accuracy_range(scores: Sequence[Any]) -> tuple[float, float]:
