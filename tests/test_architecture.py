@@ -123,18 +123,29 @@ def test_no_import_cycles() -> None:
     assert cycles == []
 
 
-def test_only_the_command_layer_imports_typer() -> None:
-    users = []
+def _importers(package: str) -> set[Path]:
+    """lingctl's files that import ``package`` or one of its modules (lazy imports included)."""
+    users = set()
     for path in PACKAGE.rglob("*.py"):
-        part = _part(".".join(path.relative_to(ROOT).with_suffix("").parts))
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
-            if any(n == "typer" or n.startswith("typer.") for n in names) and part not in ("cli", "commands"):
-                users.append(str(path.relative_to(ROOT)))
+            if any(n == package or n.startswith(package + ".") for n in names):
+                users.add(path.relative_to(ROOT))
+    return users
+
+
+def test_only_the_command_layer_imports_typer() -> None:
+    users = [p for p in _importers("typer") if _part(".".join(p.with_suffix("").parts)) not in ("cli", "commands")]
     assert users == []
+
+
+def test_only_flood_s_cluster_package_imports_ray() -> None:
+    """Ray is an optional extra: everything else must load, and run, without it."""
+    cluster = Path("lingctl", "flood", "cluster")
+    users = _importers("ray")
+    assert users and all(p.parent == cluster for p in users), sorted(map(str, users))
 
 
 def test_the_run_directory_and_core_load_without_torch_training_or_pcache() -> None:

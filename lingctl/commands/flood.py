@@ -22,6 +22,14 @@ from lingctl.commands.flood_render import (
     stop_after_step,
 )
 from lingctl.commands.options import JsonOpt
+from lingctl.commands.ray_options import (
+    RayAddressOpt,
+    RayBlockOpt,
+    RayCpusOpt,
+    RayEnginesOpt,
+    RayOpt,
+    cluster_options,
+)
 from lingctl.core.errors import UsageError
 from lingctl.core.output import Output, to_jsonable
 from lingctl.core.units import format_size
@@ -67,8 +75,11 @@ app.command("eval")(engine_options(flood_eval.eval_cmd))
 
 
 BatchArg = Annotated[
-    Path,
-    typer.Argument(help='Requests, one JSON object per line (OpenAI batch format or {"custom_id", "prompt"}).'),
+    str,
+    typer.Argument(
+        help='Requests, one JSON object per line (OpenAI batch format or {"custom_id", "prompt"}); a file or '
+        "s3://bucket/key."
+    ),
 ]
 RunModelOpt = Annotated[
     str,
@@ -81,21 +92,21 @@ RunModelOpt = Annotated[
     ),
 ]
 RunOutOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         "--out",
         "-o",
         metavar="FILE",
-        help="Output JSONL (default: BATCH.output.jsonl); '-': standard output, as "
+        help="Output JSONL, a file or s3://bucket/key (default: BATCH.output.jsonl); '-': standard output, as "
         "answers finish (the summary then goes to stderr; nothing to --resume).",
     ),
 ]
 ErrorsOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         "--errors",
         metavar="FILE",
-        help="Errors JSONL (default: beside the output; with '-o -', BATCH.errors.jsonl).",
+        help="Errors JSONL, a file or s3://bucket/key (default: beside the output; with '-o -', BATCH.errors.jsonl).",
     ),
 ]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run: skip answered requests.")]
@@ -128,41 +139,60 @@ def run(
     engine: EngineOptions,
     chat_template: ChatTemplateOpt = None,
     dry_run: DryRunOpt = False,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_cpus_per_engine: RayCpusOpt = None,
+    ray_engines: RayEnginesOpt = None,
+    ray_block: RayBlockOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Run every request of BATCH through the model; answers are appended to the output as they finish.
+    """Run every request of BATCH through the model; answers are written to the output in BATCH's order.
 
     Ctrl-C or SIGTERM stops after the current step and exits 130; every answer written so far is kept, and
     --resume continues without repeating any.
     """
+    from lingctl.flood.batch.remote_io import StagedOutputs, is_s3
     from lingctl.flood.batch.run import FloodOptions, run_batch  # torch loads only here
 
-    out_, to_stdout = command_output(json, out)
+    out_, to_stdout = command_output(json, Path(out) if out is not None else None)
     if to_stdout and resume:
         raise UsageError(
             "--resume reads the earlier answers from the output file, and '-o -' has none",
             hint="write to a file (-o FILE) to be able to resume",
         )
     stop = stop_after_step(out_)
+    staged: StagedOutputs | None = None
     with ExitStack() as stack:
+        batch_file = Path(batch)
+        out_file, errors_file = (Path(out) if out is not None else None), (Path(errors) if errors is not None else None)
+        if is_s3(batch) or is_s3(out) or is_s3(errors):  # run on local copies, uploaded as the block ends
+            staged = stack.enter_context(
+                StagedOutputs(batch, out, errors, resume=resume, upload=not dry_run, stdout=to_stdout)
+            )
+            batch_file, out_file, errors_file = staged.batch, staged.out, staged.errors
         if to_stdout:
-            out, errors = answers_to_stdout(stack, batch, errors, stop.request) if not dry_run else (None, errors)
+            out_file, errors_file = (
+                answers_to_stdout(stack, batch_file, errors_file, stop.request) if not dry_run else (None, errors_file)
+            )
         opts = FloodOptions(
-            batch=batch,
+            batch=batch_file,
             model=model,
-            out=out,
-            errors=errors,
+            out=out_file,
+            errors=errors_file,
             resume=resume,
             stages=stages,
             engine=engine,
             chat_template=chat_template,
             dry_run=dry_run,
+            cluster=cluster_options(ray, ray_address, ray_cpus_per_engine, ray_engines, ray_block),
         )
         with progress(out_, stop) as on_progress:
             # The plan is a message, said when it is known (stderr, before the load), not after the run.
             summary = run_batch(
                 opts, on_progress=on_progress, should_stop=stop, on_plan=lambda p: out_.info("\n".join(plan_lines(p)))
             )
+    if staged is not None:
+        summary.out, summary.errors = staged.shown(summary.out), staged.shown(summary.errors)
     if to_stdout:
         summary.out = "stdout"
     out_.result(to_jsonable(summary), run_summary(summary))

@@ -17,6 +17,14 @@ from lingctl.commands.flood_render import (
     write_records,
 )
 from lingctl.commands.options import DURATION_FORMS, JsonOpt, at_least, duration
+from lingctl.commands.ray_options import (
+    RayAddressOpt,
+    RayBlockOpt,
+    RayCpusOpt,
+    RayEnginesOpt,
+    RayOpt,
+    cluster_options,
+)
 from lingctl.flood.engine.options import EngineOptions
 
 TasksArg = Annotated[
@@ -103,6 +111,11 @@ def eval_cmd(
     drop_k: DropKOpt = 2.0,
     *,
     engine: EngineOptions,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    ray_cpus_per_engine: RayCpusOpt = None,
+    ray_engines: RayEnginesOpt = None,
+    ray_block: RayBlockOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Score a model on task files: multiple choice by the log-likelihood of each choice's text, generation by
@@ -126,6 +139,7 @@ def eval_cmd(
         drop_k=drop_k,
         poll_s=poll,
         engine=engine,
+        cluster=cluster_options(ray, ray_address, ray_cpus_per_engine, ray_engines, ray_block),
     )
     stop = stop_after_step(out_)
     with progress(out_, stop) as on_progress:

@@ -267,3 +267,25 @@ def test_resume_with_nothing_there_starts_fresh(tmp_path: Path) -> None:
     assert out.state.done == set()
     assert json.loads((tmp_path / "b.output.jsonl.manifest.json").read_text()) == MANIFEST
     assert (tmp_path / "b.output.jsonl").exists() and (tmp_path / "b.errors.jsonl").exists()
+
+
+# --- ids ----------------------------------------------------------------------------------------------------
+
+
+def test_ids_are_derived_so_a_second_run_writes_the_same_lines(tmp_path: Path) -> None:
+    """The ids come from the model and the request, not from chance: the same writes give the same bytes, and
+    every line's ids differ from every other line's."""
+    files = []
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        _first_run(tmp_path / run)
+        files.append([(tmp_path / run / f"b.{kind}.jsonl").read_bytes() for kind in ("output", "errors")])
+    assert files[0] == files[1]
+    records = _records(tmp_path / "a" / "b.output.jsonl") + _records(tmp_path / "a" / "b.errors.jsonl")
+    ids = [r["id"] for r in records] + [r["response"]["request_id"] for r in records if r["response"]]
+    assert len(ids) == len(set(ids)) and all(r["id"].startswith("batch_req_") for r in records)
+    # Another model (fingerprint) gives other ids for the same requests.
+    (tmp_path / "c").mkdir()
+    with _open(tmp_path / "c", {**MANIFEST, "model_fingerprint": "other"}) as out:
+        out.write_result("r1", BODY)
+    assert _records(tmp_path / "c" / "b.output.jsonl")[0]["id"] != records[0]["id"]

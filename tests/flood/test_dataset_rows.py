@@ -11,7 +11,8 @@ import pytest
 from lingctl.core.errors import UsageError
 from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.eval.run import EvalOptions, run_eval
-from lingctl.flood.eval.tasks import CHOICE, GENERATE, read_tasks
+from lingctl.flood.eval.task_files import read_tasks
+from lingctl.flood.eval.tasks import CHOICE, GENERATE
 
 HELLASWAG = {
     "ind": 24,

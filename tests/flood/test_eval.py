@@ -14,7 +14,8 @@ import torch
 from lingctl.core.errors import Interrupted, UsageError
 from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.eval.run import EvalOptions, EvalSummary, run_eval
-from lingctl.flood.eval.tasks import extract_answer, read_tasks
+from lingctl.flood.eval.task_files import read_tasks
+from lingctl.flood.eval.tasks import extract_answer
 from lingctl.model.checkpoint import load_checkpoint
 from lingctl.model.tokenizer import load_tokenizer
 

@@ -13,7 +13,8 @@ import pytest
 
 from lingctl.cli import run as cli_run
 from lingctl.core.errors import UsageError
-from lingctl.flood.eval.tasks import AnswerMatch, EvalItem, Task, read_tasks
+from lingctl.flood.eval.task_files import read_tasks
+from lingctl.flood.eval.tasks import AnswerMatch, EvalItem, Task
 from tests.conftest import run_lingctl
 from tests.flood.test_eval import write_jsonl
 

@@ -3,8 +3,11 @@ the error line of a request that the engine refused or that failed while it ran.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
-import secrets
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +28,12 @@ def answer_body(
     texts: list[str],
     model: str,
     token_text: Callable[[int], str] | None = None,
+    *,
+    answer_id: str,
 ) -> dict[str, Any]:
     """The ``body`` of a finished request: a chat completion for a chat request, else a completion, with one
     choice per answer (``n``). ``model``: the answer's model when the request names none. ``token_text``: a
-    token's text, for the log-probabilities a request asked for."""
+    token's text, for the log-probabilities a request asked for. ``answer_id``: the hex part of its ``id``."""
     prefix, kind = ("chatcmpl", "chat.completion") if req.is_chat else ("cmpl", "text_completion")
     choices = []
     for index, (res, text) in enumerate(zip(results, texts, strict=True)):
@@ -48,13 +53,27 @@ def answer_body(
         "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }
     return {
-        "id": f"{prefix}-{secrets.token_hex(12)}",
+        "id": f"{prefix}-{answer_id}",
         "object": kind,
-        "created": int(time.time()),
+        "created": answer_time(),
         "model": req.model or model,
         "choices": choices,
         "usage": usage,
     }
+
+
+def request_digest(req: Request) -> str:
+    """sha256 of everything a request asks (its custom_id, line, prompt, sampling): what its answer's ids are
+    derived from, so they are the same wherever and whenever the request is answered."""
+    fields = json.dumps(dataclasses.asdict(req), sort_keys=True, ensure_ascii=True, default=str)
+    return hashlib.sha256(fields.encode("ascii")).hexdigest()
+
+
+def answer_time() -> int:
+    """An answer's ``created``: now, or ``SOURCE_DATE_EPOCH`` when set (the reproducible-builds convention), so
+    that two runs of one batch can be compared byte for byte."""
+    fixed = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    return int(fixed) if fixed.isdigit() else int(time.time())
 
 
 def _logprobs(
@@ -101,10 +120,18 @@ def write_failure(output: BatchOutput, req: Request, res: GenResult) -> None:
     """A request the engine refused (code invalid_request, status 400) or that failed while running (code
     internal_error, status 500, as the Batch API reports a server-side failure of one request)."""
     message = res.error or "failed"
+    digest = request_digest(req)
     if res.internal:
         log.warning("request %s failed: %s", printable(req.custom_id), message)
         output.write_error(
-            custom_id=req.custom_id, line=req.line, code="internal_error", message=message, status_code=500
+            custom_id=req.custom_id,
+            line=req.line,
+            code="internal_error",
+            message=message,
+            status_code=500,
+            digest=digest,
         )
     else:
-        output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_request", message=message)
+        output.write_error(
+            custom_id=req.custom_id, line=req.line, code="invalid_request", message=message, digest=digest
+        )

@@ -6,6 +6,10 @@ rationed to one every ``jsonl_file.FSYNC_EVERY_S`` and one at close, since per-l
 than short generations. A crash may leave a torn last line; a resumed run cuts it and appends after the last complete
 line, so complete lines are never rewritten, reordered, lost or duplicated.
 
+Every id in a line (the line's ``id``, the response's ``request_id``, the body's ``id``) is derived from the model
+and the request, not drawn at random: the same batch on the same model gives the same file wherever it runs (this
+machine or a cluster, in one go or resumed), and within a file each request's ids differ.
+
 The manifest (``OUT.jsonl.manifest.json``) records what produced the output (model, settings, chat template,
 batch file), and what lingctl has written to each file (``written``: bytes and sha256). A resumed run must
 match the settings, otherwise one output would mix answers from two different runs, and the files must hold
@@ -14,9 +18,9 @@ what was written: a resume never writes into, or cuts, a file it cannot show is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import secrets
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,33 +124,56 @@ class BatchOutput:
     def _save_manifest(self) -> None:
         save_manifest(self.manifest_path, self._manifest)
 
-    def write_result(self, custom_id: str, body: dict[str, Any]) -> None:
-        """A finished request; ``body`` is the completion or chat completion object."""
+    def answer_id(self, digest: str) -> str:
+        """The hex part of the body ``id`` of the answer to the request ``digest`` (``answers.request_digest``)."""
+        return derived_id(self._id_salt, "answer", digest, 24)
+
+    @property
+    def _id_salt(self) -> str:
+        return str(self._manifest.get("model_fingerprint", ""))
+
+    def write_result(self, custom_id: str, body: dict[str, Any], *, digest: str | None = None) -> None:
+        """A finished request; ``body`` is the completion or chat completion object; ``digest``: the request's
+        (``answers.request_digest``), from which the line's ids are derived (else from the custom_id)."""
+        digest = digest if digest is not None else json.dumps([custom_id], ensure_ascii=True)
         self._out.write(
             {
-                "id": _new_id(),
+                "id": "batch_req_" + derived_id(self._id_salt, "line", digest, 24),
                 "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": secrets.token_hex(16), "body": body},
+                "response": {
+                    "status_code": 200,
+                    "request_id": derived_id(self._id_salt, "request", digest, 32),
+                    "body": body,
+                },
                 "error": None,
             }
         )
 
     def write_error(
-        self, *, custom_id: str | None, line: int | None, code: str, message: str, status_code: int | None = 400
+        self,
+        *,
+        custom_id: str | None,
+        line: int | None,
+        code: str,
+        message: str,
+        status_code: int | None = 400,
+        digest: str | None = None,
     ) -> None:
         """A failed request. ``line``: its batch-file line, for errors found reading the file.
-        ``status_code`` None: the line could not be parsed into a request, so there is no response."""
+        ``status_code`` None: the line could not be parsed into a request, so there is no response. ``digest``:
+        the request's, when there is one; else the ids come from the line, custom_id and error."""
+        key = digest if digest is not None else json.dumps([custom_id, line, code, message], ensure_ascii=True)
         response = None
         if status_code is not None:
             kind = "invalid_request_error" if status_code < 500 else "server_error"
             response = {
                 "status_code": status_code,
-                "request_id": secrets.token_hex(16),
+                "request_id": derived_id(self._id_salt, "error-request", key, 32),
                 "body": {"error": {"message": message, "type": kind, "code": code}},
             }
         self._errors.write(
             {
-                "id": _new_id(),
+                "id": "batch_req_" + derived_id(self._id_salt, "error", key, 24),
                 "custom_id": custom_id,
                 "response": response,
                 "error": {"code": code, "message": message, "line": line},
@@ -307,8 +334,10 @@ def _collect(record: dict[str, Any], state: ResumeState, *, errors_file: bool) -
         state.done.add(cid)
 
 
-def _new_id() -> str:
-    return "batch_req_" + secrets.token_hex(12)
+def derived_id(salt: str, what: str, key: str, hex_chars: int) -> str:
+    """``hex_chars`` hex digits of sha256 over (``salt``, ``what``, ``key``): an id that a rerun reproduces."""
+    data = "\0".join((salt, what, key)).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:hex_chars]
 
 
 def _show(value: Any) -> str:

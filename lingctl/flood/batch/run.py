@@ -13,6 +13,7 @@ that does not compile) stops the run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import resource
@@ -20,13 +21,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
 from lingctl.core.names import printable
-from lingctl.flood.batch.answers import answer_body, model_name, write_failure
+from lingctl.flood.batch.answers import answer_body, model_name, request_digest, write_failure
+from lingctl.flood.batch.in_order import InOrder
 from lingctl.flood.batch.output import BatchOutput, ResumeState, default_paths, preview_resume
 from lingctl.flood.batch.requests import Request, RequestError, read_batch
+from lingctl.flood.cluster.options import ClusterOptions
 from lingctl.flood.engine.loop import EngineStats, GenRequest, GenResult, error_text, max_new_tokens
 from lingctl.flood.engine.manifest import output_manifest
 from lingctl.flood.engine.options import EngineOptions
@@ -38,6 +41,9 @@ from lingctl.flood.text.tokens import PromptError, TextCodec
 from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.checkpoint import parse_dtype
 from lingctl.model.hub import resolve_model_dir
+
+if TYPE_CHECKING:
+    from lingctl.flood.cluster.engines import ClusterSession
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +60,15 @@ class FloodOptions:
     chat_template: Path | None = None
     dry_run: bool = False
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)  # per chat request
+    cluster: ClusterOptions | None = None  # --ray: engines on a Ray cluster instead of this process
 
     def validate(self) -> None:
         if self.stages < 1:
             raise UsageError(f"--stages must be >= 1, got {self.stages}")
+        if self.cluster is not None:
+            if self.stages > 1:
+                raise UsageError("--stages and --ray do not combine: each cluster engine holds the whole model")
+            self.cluster.validate()
         self.engine.validate()
 
 
@@ -95,6 +106,7 @@ class FloodSummary:
     interrupted: bool = False
     engine: dict[str, Any] = field(default_factory=dict)
     threads: dict[str, Any] = field(default_factory=dict)  # compute threads: count, how chosen, changes
+    cluster: dict[str, Any] | None = None  # --ray: per engine and per node (engines.ClusterSession.summary)
 
 
 @dataclass(slots=True)
@@ -262,7 +274,13 @@ def _prompts(
             message = f"could not tokenize the prompt: {error_text(exc)}"
         summary.failed += 1
         if output is not None:
-            output.write_error(custom_id=req.custom_id, line=req.line, code="invalid_prompt", message=message)
+            output.write_error(
+                custom_id=req.custom_id,
+                line=req.line,
+                code="invalid_prompt",
+                message=message,
+                digest=request_digest(req),
+            )
     return jobs
 
 
@@ -307,17 +325,26 @@ def _generate(
     if not jobs:
         return
     stop_check = codec.stop_check if codec.tokenizer is not None else None
-    session = EngineSession(
-        md, opts.engine, plan, dtype=parse_dtype(opts.engine.dtype), stages=opts.stages, stop_check=stop_check
-    )
+    session: EngineSession | ClusterSession
+    if opts.cluster is not None:
+        from lingctl.flood.cluster.engines import ClusterSession  # Ray is imported there, and only with --ray
+
+        session = ClusterSession(opts.cluster, model=str(opts.model), engine=opts.engine)
+    else:
+        session = EngineSession(
+            md, opts.engine, plan, dtype=parse_dtype(opts.engine.dtype), stages=opts.stages, stop_check=stop_check
+        )
     name = model_name(opts.model, md.path)
 
     def on_step(stats: EngineStats) -> None:
         if on_progress is not None:
-            on_progress(Progress(label="", unit="requests", done=stats.finished, total=stats.requests, stats=stats))
+            label = "" if isinstance(session, EngineSession) else session.progress_label
+            on_progress(Progress(label=label, unit="requests", done=stats.finished, total=stats.requests, stats=stats))
 
     # A request's answer is written once all its n answers are in (one line, n choices).
+    # Lines go out in the batch's order (in_order.py), so the file is the same however the work was split.
     pending: dict[int, list[GenResult | None]] = {}
+    in_order = InOrder()
     try:
         for res in session.results(requests, on_step=on_step, should_stop=should_stop):
             index, j = res.key
@@ -326,7 +353,8 @@ def _generate(
             got[j] = res
             if all(r is not None for r in got):
                 del pending[index]
-                _write_answer(output, req, [r for r in got if r is not None], codec, name, summary)
+                done = [r for r in got if r is not None]
+                in_order.put(index, functools.partial(_write_answer, output, req, done, codec, name, summary))
     except (KeyboardInterrupt, StopRequested):
         summary.interrupted = True
     finally:
@@ -344,11 +372,12 @@ def _write_answer(
 ) -> None:
     """The request's line: its answers as the choices of one body, or its error when any answer failed."""
     body: dict[str, Any] | None = None
+    digest = request_digest(req)
     failed = next((r for r in results if r.error is not None), None)
     if failed is None:
         try:
             texts = [r.stop_text if r.stop_text is not None else codec.decode(r.token_ids) for r in results]
-            body = answer_body(req, results, texts, model, codec.token_text)
+            body = answer_body(req, results, texts, model, codec.token_text, answer_id=output.answer_id(digest))
         except Exception as exc:  # detokenizing this answer failed; the others are unaffected
             log.debug("building the answer to %s failed", printable(req.custom_id), exc_info=True)
             failed = results[0]
@@ -358,14 +387,16 @@ def _write_answer(
         write_failure(output, req, failed)
         summary.failed += 1
         return
-    output.write_result(req.custom_id, body)
+    output.write_result(req.custom_id, body, digest=digest)
     summary.succeeded += 1
     firsts = results[:: req.n]  # each prompt's first answer
     summary.prompt_tokens += sum(r.prompt_tokens for r in firsts)
     summary.cached_prompt_tokens += sum(r.cached_tokens for r in firsts)
 
 
-def _fill(summary: FloodSummary, session: EngineSession) -> None:
+def _fill(summary: FloodSummary, session: EngineSession | ClusterSession) -> None:
+    if not isinstance(session, EngineSession):
+        summary.cluster = session.summary()
     stats, seconds = session.stats, session.seconds
     summary.load_seconds, summary.load_bytes_read = session.load_seconds, session.load_bytes_read
     summary.threads = session.threads

@@ -27,6 +27,7 @@ from lingctl.flood.engine.plan import MemoryPlan, plan_memory
 from lingctl.flood.engine.prefix import plan_prefixes
 from lingctl.flood.engine.threads import ThreadPolicy, stage_threads
 from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.model.ling import LingForCausalLM
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +96,10 @@ class EngineSession:
         self.load_seconds = 0.0
         self.load_bytes_read = 0
         self.threads: dict[str, Any] = {}  # compute threads: count, how chosen, changes
+        # Loaded on the first ``results`` and kept: a cluster engine answers many blocks with one load. Each
+        # call gets a fresh KV pool sized by ``plan`` as it is then.
+        self._model: LingForCausalLM | None = None
+        self.max_threads: int | None = None  # a cap on chosen threads (a cluster engine's cores)
 
     def results(
         self,
@@ -108,7 +113,9 @@ class EngineSession:
         # --threads N fixes the count; otherwise it is the cores other processes leave free (threads.py).
         # With stages, the stage processes compute; this one only schedules and samples, on one thread.
         opts = self.opts
-        policy = ThreadPolicy.for_run(opts.threads if self.stages == 1 else 1, opts.dtype, opts.quantize)
+        policy = ThreadPolicy.for_run(
+            opts.threads if self.stages == 1 else 1, opts.dtype, opts.quantize, max_threads=self.max_threads
+        )
         policy.prepare()
         try:
             yield from self._run(policy, requests, on_step, should_stop)
@@ -175,9 +182,10 @@ class EngineSession:
                 kv_cache_tokens=self.plan.kv_tokens,
                 threads_per_stage=per_stage,
             )
-        model, load = self.md.load_with_stats(dtype=self.dtype, quantize=opts.quantize)
-        self.load_seconds, self.load_bytes_read = load.seconds, load.bytes_read
-        return local_runner(model, self.plan.kv_tokens, self.dtype)
+        if self._model is None:
+            self._model, load = self.md.load_with_stats(dtype=self.dtype, quantize=opts.quantize)
+            self.load_seconds, self.load_bytes_read = load.seconds, load.bytes_read
+        return local_runner(self._model, self.plan.kv_tokens, self.dtype)
 
 
 def _check(should_stop: Callable[[], bool] | None) -> None:

@@ -145,13 +145,20 @@ class ThreadPolicy:
         self.report: ThreadReport | None = None
 
     @staticmethod
-    def for_run(threads: int | None, dtype_name: str, quantize: str | None = None, **kwargs: Any) -> ThreadPolicy:
+    def for_run(
+        threads: int | None,
+        dtype_name: str,
+        quantize: str | None = None,
+        *,
+        max_threads: int | None = None,
+        **kwargs: Any,
+    ) -> ThreadPolicy:
         """``--threads N`` (N > 0) fixes the count; None or 0 chooses: the free cores where results do not
-        depend on the count, else one thread."""
+        depend on the count (at most ``max_threads``: the cores a cluster engine was given), else one thread."""
         if threads:
             return ThreadPolicy(fixed=threads, **kwargs)
         if results_follow_load_safely(dtype_name, quantize):
-            return ThreadPolicy(ThreadPolicyConfig(), **kwargs)
+            return ThreadPolicy(ThreadPolicyConfig(max_threads=max_threads), **kwargs)
         what = f"{dtype_name}{' int8' if quantize else ''}"
         return ThreadPolicy(fixed=1, why_fixed=f"one thread: {what} results depend on the thread count", **kwargs)
 

@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lingctl.core.errors import Interrupted, UsageError
+from lingctl.flood.cluster.options import ClusterOptions
 from lingctl.flood.engine.loop import EngineStats, GenRequest, GenResult, error_text
 from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.engine.plan import check_weights_fit
@@ -36,6 +37,9 @@ from lingctl.flood.eval.tasks import CHOICE, EvalItem, Task, extract_answer
 from lingctl.flood.text.tokens import TextCodec
 from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.checkpoint import parse_dtype
+
+if TYPE_CHECKING:
+    from lingctl.flood.cluster.engines import ClusterSession
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +100,11 @@ class ModelEvaluation:
         *,
         engine: EngineOptions,
         skip: set[tuple[str, str]] | None = None,
+        cluster: ClusterOptions | None = None,
     ) -> None:
         self.md, self.codec, self.tasks = md, codec, tasks
         self.opts = engine
+        self.cluster = cluster  # --ray: the items go to engines on a Ray cluster, which read the model at md.path
         self.run = ModelRun()
         self._requests: list[GenRequest] = []
         self._pending: dict[int, _Pending] = {}
@@ -180,7 +186,13 @@ class ModelEvaluation:
             return
         dtype = parse_dtype(self.opts.dtype)
         plan = plan_requests(self.md.config, self._requests, self.opts, dtype, converted=self.md.converted is not None)
-        session = EngineSession(self.md, self.opts, plan, dtype=dtype, stop_check=self.codec.stop_check)
+        session: EngineSession | ClusterSession
+        if self.cluster is not None:
+            from lingctl.flood.cluster.engines import ClusterSession  # Ray is imported there, and only with --ray
+
+            session = ClusterSession(self.cluster, model=str(self.md.path), engine=self.opts)
+        else:
+            session = EngineSession(self.md, self.opts, plan, dtype=dtype, stop_check=self.codec.stop_check)
         started = time.monotonic()
         try:
             for res in session.results(self._requests, on_step=on_step, should_stop=should_stop):
@@ -195,7 +207,7 @@ class ModelEvaluation:
             self._took(session)
             log.debug("evaluated %d items in %.1f s", len(self._pending), time.monotonic() - started)
 
-    def _took(self, session: EngineSession) -> None:
+    def _took(self, session: EngineSession | ClusterSession) -> None:
         run, stats = self.run, session.stats
         run.seconds, run.load_seconds, run.threads = session.seconds, session.load_seconds, session.threads
         run.requests = stats.requests

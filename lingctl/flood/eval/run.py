@@ -28,13 +28,15 @@ from typing import Any
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import Interrupted, LingctlError, UsageError, os_error
 from lingctl.flood.batch.jsonl_file import lstat_own
+from lingctl.flood.cluster.options import ClusterOptions
 from lingctl.flood.engine.loop import EngineStats
 from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.engine.session import Progress
 from lingctl.flood.eval.model import ModelEvaluation, open_model, task_scores
 from lingctl.flood.eval.output import ResultsFile, eval_manifest, order_records
 from lingctl.flood.eval.report import CheckpointScores, Drop, TaskScore, find_drops, plot_scores, write_table
-from lingctl.flood.eval.tasks import Task, read_tasks
+from lingctl.flood.eval.task_files import read_tasks
+from lingctl.flood.eval.tasks import Task
 from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.model.hub import resolve_model_dir
 from lingctl.runs.checkpoints import is_run_dir, list_checkpoints, run_finished
@@ -57,9 +59,12 @@ class EvalOptions:
     follow: bool = False
     drop_k: float = 2.0
     poll_s: float = 5.0  # --follow: how often the run is looked at for a new checkpoint
+    cluster: ClusterOptions | None = None  # --ray: each model's items spread over engines on a Ray cluster
 
     def validate(self) -> None:
         self.engine.validate()
+        if self.cluster is not None:
+            self.cluster.validate()
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise UsageError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
         if self.drop_k < 0:
@@ -169,6 +174,7 @@ def evaluate_one(
             tasks,
             engine=opts.engine,
             skip=files.done_keys if files is not None else None,
+            cluster=opts.cluster,
         )
         total = len(records) + evaluation.items
 

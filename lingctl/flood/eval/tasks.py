@@ -17,7 +17,8 @@ Few-shot prompts are built from the file itself: items marked ``"fewshot": true`
 scored); without such items an item's shots are the first K other items of the file. The same shots precede
 many items, so the engine computes that block once (prefix sharing).
 
-lm-evaluation-harness task files (``*.yaml``, ``*.yml``) are read into the same tasks (``lm_eval_yaml.py``).
+lm-evaluation-harness task files (``*.yaml``, ``*.yml``) are read into the same tasks (``lm_eval_yaml.py``;
+``task_files.py`` reads either kind).
 """
 
 from __future__ import annotations
@@ -104,36 +105,8 @@ class Task:
         return item.description + "".join(s.shot_text + self.fewshot_delimiter for s in self.shots(item, k))
 
 
-def read_tasks(paths: list[Path], *, regex: str | None = None, num_fewshot: int | None = None) -> list[Task]:
-    """Every task file, validated whole before anything runs: a bad line is a usage error naming it. Each task's
-    ``num_fewshot`` is ``num_fewshot`` when given, else its file's own (an lm-eval task's), else 0."""
-    if not paths:
-        raise UsageError("no task file given")
-    if regex is not None:
-        _compile(regex, "--regex")
-    tasks: list[Task] = []
-    seen: dict[str, Path] = {}
-    for path in paths:
-        if Path(path).suffix.lower() in YAML_SUFFIXES:
-            from lingctl.flood.eval.lm_eval_yaml import read_yaml_task  # imports PyYAML only when needed
-
-            task = read_yaml_task(Path(path), num_fewshot)
-            if regex is not None and task.kind == GENERATE:
-                raise UsageError(f"{path}: --regex does not apply to an lm-eval task file (its filter_list does)")
-        else:
-            task = _read_task(Path(path), regex)
-            task.num_fewshot = num_fewshot or 0
-        if task.name in seen:
-            raise UsageError(
-                f"two task files are both named {task.name!r}: {seen[task.name]} and {path}",
-                hint="a task is named by its file's stem (an lm-eval task file's by its 'task'); rename one",
-            )
-        seen[task.name] = task.path
-        tasks.append(task)
-    return tasks
-
-
-def _read_task(path: Path, regex: str | None) -> Task:
+def read_task_file(path: Path, regex: str | None) -> Task:
+    """One flood task file (JSONL of items; see the module docstring)."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -235,7 +208,7 @@ def _generation_item(obj: dict[str, Any], item: EvalItem, where: str, default_re
     if regex is not None:
         if not isinstance(regex, str):
             raise UsageError(f"{where}: 'regex' must be a string")
-        _compile(regex, where)
+        compile_regex(regex, where)
     item.prompt, item.answer, item.stop, item.max_tokens, item.regex = prompt, answer, stop, max_tokens, regex
     return item
 
@@ -274,7 +247,7 @@ def _only(obj: dict[str, Any], allowed: set[str], where: str) -> None:
         raise UsageError(f"{where}: unknown field {printable(extra[0])} (allowed: {', '.join(sorted(allowed))})")
 
 
-def _compile(pattern: str, where: str) -> re.Pattern[str]:
+def compile_regex(pattern: str, where: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as exc:

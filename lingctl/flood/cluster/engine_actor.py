@@ -1,0 +1,91 @@
+"""One flood engine on a node of the cluster (a Ray actor): loads the model once, then answers blocks.
+
+The class is plain Python; ``engines.py`` wraps it with ``ray.remote`` and Ray runs it in a worker process on
+some node. Everything it is given (``EngineSpec``, blocks of ``GenRequest``) and returns (``BlockAnswers``) is a
+dataclass that pickles, and the same engine code as on one machine computes the answers: a greedy answer does
+not depend on the block it came in or on the node's thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from lingctl.flood.cluster.blocks import Block
+from lingctl.flood.engine.loop import EngineStats, GenResult
+from lingctl.flood.engine.options import EngineOptions
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineSpec:
+    model: str  # as the user gave it: a path on every node, an s3:// checkpoint, or a Hugging Face id
+    engine: EngineOptions
+    cpus: float  # what Ray gave this engine: the cap on its compute threads
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockAnswers:
+    index: int
+    results: list[GenResult]
+    stats: EngineStats  # this block's engine counters
+    seconds: float  # computing the block
+    where: dict[str, Any] = field(default_factory=dict)  # node id, host, pid
+    load_seconds: float = 0.0  # the model's load, on the engine's first block only
+    load_bytes_read: int = 0
+    threads: dict[str, Any] = field(default_factory=dict)
+
+
+class BlockEngine:
+    """Serves one model for the driver's blocks (one block at a time: Ray runs an actor's calls in order)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from lingctl.flood.text.tokens import TextCodec
+        from lingctl.flood.weights.model_dir import ModelDir
+        from lingctl.model.hub import resolve_model_dir
+
+        self.spec = spec
+        self.md = ModelDir.open(resolve_model_dir(spec.model))
+        codec = TextCodec.for_model(
+            self.md.path, chat_template=None, special_tokens=self.md.special_tokens(), limits=None
+        )
+        # Stop strings are found in the decoded text, so the engine needs the tokenizer (never a template).
+        self.stop_check = codec.stop_check if codec.tokenizer is not None else None
+        self.session: Any = None
+        self.where = {"node": _node_id(), "host": socket.gethostname(), "pid": os.getpid(), "cpus": spec.cpus}
+
+    def ready(self) -> dict[str, Any]:
+        """Where this engine runs (answered once its model directory is open)."""
+        return self.where
+
+    def answer(self, block: Block) -> BlockAnswers:
+        from lingctl.flood.engine.session import EngineSession, plan_requests
+        from lingctl.model.checkpoint import parse_dtype
+
+        opts = self.spec.engine
+        dtype = parse_dtype(opts.dtype)
+        plan = plan_requests(self.md.config, block.requests, opts, dtype, converted=self.md.converted is not None)
+        first = self.session is None
+        if first:
+            self.session = EngineSession(self.md, opts, plan, dtype=dtype, stop_check=self.stop_check)
+            self.session.max_threads = max(1, int(self.spec.cpus))
+        else:
+            self.session.plan = plan
+        results = list(self.session.results(block.requests))
+        return BlockAnswers(
+            index=block.index,
+            results=results,
+            stats=self.session.stats,
+            seconds=self.session.seconds,
+            where=self.where,
+            load_seconds=self.session.load_seconds if first else 0.0,
+            load_bytes_read=self.session.load_bytes_read if first else 0,
+            threads=self.session.threads,
+        )
+
+
+def _node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
