@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "commands": {"babel", "core", "doctor", "flood", "lingctl", "model", "pcache", "runs", "timer", "train"},
     "doctor": {"core", "lingctl"},
     "train": {"core", "model", "runs", "pcache", "timer"},  # checkpoints through pcache; stacks through timer
-    "flood": {"core", "model", "runs"},
+    "flood": {"core", "model", "runs", "babel"},  # s3:// models copied through babel's sync
     "pcache": {"core", "model", "babel"},  # uploads through babel's transfer
     "babel": {"core"},
     "timer": {"core"},

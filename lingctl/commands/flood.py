@@ -86,9 +86,10 @@ RunModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
-        metavar="DIR|ORG/NAME[@REV]",
-        help="Checkpoint directory (lingctl or Hugging Face layout), or a Hugging Face model id read from the "
-        "Hugging Face cache (HF_HOME; downloaded when missing unless HF_HUB_OFFLINE=1).",
+        metavar="DIR|ORG/NAME[@REV]|s3://BUCKET/PREFIX",
+        help="Checkpoint directory (lingctl or Hugging Face layout), a Hugging Face model id read from the "
+        "Hugging Face cache (HF_HOME; downloaded when missing unless HF_HUB_OFFLINE=1), or a checkpoint in S3, "
+        "copied once per machine into lingctl's cache.",
     ),
 ]
 RunOutOpt = Annotated[

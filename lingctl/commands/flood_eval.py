@@ -41,9 +41,9 @@ EvalModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
-        metavar="DIR|ORG/NAME[@REV]|RUN_DIR",
-        help="A checkpoint directory, a Hugging Face model id (from the cache), or a lingctl training run "
-        "directory: then every checkpoint of the run is evaluated.",
+        metavar="DIR|ORG/NAME[@REV]|s3://BUCKET/PREFIX|RUN_DIR",
+        help="A checkpoint directory, a Hugging Face model id (from the cache), a checkpoint in S3 (copied once "
+        "per machine), or a lingctl training run directory: then every checkpoint of the run is evaluated.",
     ),
 ]
 EvalOutOpt = Annotated[

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from lingctl.core.errors import UsageError
-from lingctl.flood.cluster.options import ClusterOptions
+
+if TYPE_CHECKING:
+    from lingctl.flood.cluster.options import ClusterOptions
 
 RayOpt = Annotated[
     bool,
@@ -61,4 +63,6 @@ def cluster_options(
         if given:
             raise UsageError(f"{given[0]} applies to --ray runs only", hint="add --ray")
         return None
+    from lingctl.flood.cluster.options import ClusterOptions  # loads flood only when a command runs
+
     return ClusterOptions(address=address, cpus_per_engine=cpus, engines=engines, block_requests=block)

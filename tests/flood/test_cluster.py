@@ -4,6 +4,7 @@ node is lost mid-run and after the driver is killed and resumed. One cluster ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from lingctl.core.local_s3 import LocalS3Server
 from tests.conftest import run_lingctl
 from tests.flood.conftest import text_ckpt, tiny_ckpt  # noqa: F401  (the checkpoint fixtures)
 from tests.flood.test_eval import gen_rows, mc_rows, write_jsonl
@@ -34,31 +36,58 @@ FAST_HEALTH_CHECKS = {  # a lost node is noticed in about a second, not Ray's de
     "health_check_failure_threshold": 3,
 }
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
+# The lingctl cache of the module's cluster nodes and lingctl commands (models copied from S3, flood's compiled
+# kernels): one for all, so the kernels are compiled once.
+CACHE: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in os.environ while nodes start: a node's engines inherit its environment (S3 settings, the
+    lingctl cache a node copies models into), as on a real cluster where each node has its own."""
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _add_node(c: Cluster) -> None:
+    with _environment(c.node_env):  # type: ignore[attr-defined]
+        c.add_node(**NODE_ARGS)
+    c.wait_for_nodes()
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    c = Cluster(
-        initialize_head=True,
-        connect=False,
-        head_node_args={
-            "num_cpus": 0,
-            "object_store_memory": 80 * 1024 * 1024,
-            "include_dashboard": False,
-            "_system_config": FAST_HEALTH_CHECKS,
-        },
-    )
+def cluster(s3_server: LocalS3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    CACHE["LINGCTL_CACHE_DIR"] = str(tmp_path_factory.mktemp("lingctl-cache"))
+    node_env = {**s3_server.env(), **CACHE}
+    compile_kernels = "from lingctl.flood.engine.native import kernels; kernels()"
+    subprocess.run([sys.executable, "-c", compile_kernels], env={**os.environ, **CACHE}, check=True, timeout=300)
+    with _environment(node_env):
+        c = Cluster(
+            initialize_head=True,
+            connect=False,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": 80 * 1024 * 1024,
+                "include_dashboard": False,
+                "_system_config": FAST_HEALTH_CHECKS,
+            },
+        )
+    c.node_env = node_env  # type: ignore[attr-defined]
     try:
         for _ in range(2):
-            c.add_node(**NODE_ARGS)
-        c.wait_for_nodes()
+            _add_node(c)
         yield c
     finally:
         c.shutdown()
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "RAY_DEDUP_LOGS": "0"}
+    return {**os.environ, **CACHE, "SOURCE_DATE_EPOCH": EPOCH}
 
 
 def _batch(path: Path, n: int, max_tokens: int, seed: int = 0) -> Path:
@@ -83,7 +112,7 @@ def _batch(path: Path, n: int, max_tokens: int, seed: int = 0) -> Path:
     return path
 
 
-def _flood(batch: Path | str, model: Path, out: Path | str, *extra: str) -> list[str]:
+def _flood(batch: Path | str, model: Path | str, out: Path | str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lingctl", "flood", "run", str(batch), "--model", str(model), "-o", str(out),
             "--threads", "1", "--json", *extra]  # fmt: skip
 
@@ -96,6 +125,12 @@ def _local(batch: Path, model: Path, out: Path) -> dict[str, Any]:
 
 def _ray(cluster: Cluster, *extra: str) -> list[str]:
     return ["--ray-address", cluster.address, "--ray-block", "4", *extra]
+
+
+def _start_on(cluster: Cluster, batch: Path, model: Path, out: Path) -> subprocess.Popen[str]:
+    """A cluster run in the background, for a test to interfere with."""
+    cmd = _flood(batch, model, out, *_ray(cluster))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
 def _same_files(a: Path, b: Path) -> None:
@@ -153,13 +188,7 @@ def test_a_node_lost_mid_run_loses_and_repeats_no_answer(cluster, tiny_ckpt, tmp
     batch = _batch(tmp_path / "b.jsonl", 40, 160, seed=1)
     _local(batch, tiny_ckpt, tmp_path / "local.jsonl")
     out = tmp_path / "ray.jsonl"
-    proc = subprocess.Popen(
-        _flood(batch, tiny_ckpt, out, *_ray(cluster)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    proc = _start_on(cluster, batch, tiny_ckpt, out)
     try:
         _wait_for_lines(out, 1, proc)  # both engines are at work, each with blocks queued
         victim = next(n for n in cluster.worker_nodes)
@@ -167,8 +196,7 @@ def test_a_node_lost_mid_run_loses_and_repeats_no_answer(cluster, tiny_ckpt, tmp
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
-        cluster.add_node(**NODE_ARGS)  # the next test has two nodes again
-        cluster.wait_for_nodes()
+        _add_node(cluster)  # the next test has two nodes again
     assert proc.returncode == 0, stderr
     summary = json.loads(stdout)
     _same_files(tmp_path / "local.jsonl", out)
@@ -183,13 +211,7 @@ def test_a_driver_killed_and_resumed_finishes_the_same_file(cluster, tiny_ckpt, 
     batch = _batch(tmp_path / "b.jsonl", 30, 120, seed=2)
     _local(batch, tiny_ckpt, tmp_path / "local.jsonl")
     out = tmp_path / "ray.jsonl"
-    proc = subprocess.Popen(
-        _flood(batch, tiny_ckpt, out, *_ray(cluster)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    proc = _start_on(cluster, batch, tiny_ckpt, out)
     try:
         _wait_for_lines(out, 2, proc)
         proc.send_signal(signal.SIGKILL)
@@ -213,17 +235,21 @@ def test_a_driver_killed_and_resumed_finishes_the_same_file(cluster, tiny_ckpt, 
     _same_files(tmp_path / "local.jsonl", out)
 
 
-def test_a_cluster_run_reads_and_writes_s3(cluster, tiny_ckpt, tmp_path, s3_bucket, s3_env) -> None:  # noqa: F811
+def test_batch_model_and_outputs_in_s3(cluster, tiny_ckpt, tmp_path, s3_bucket, s3_env) -> None:  # noqa: F811
+    """The driver stages the batch and uploads the outputs; each node copies the model into its own cache."""
     from lingctl.core.storage import S3Options, StoreURL, open_store
 
     batch = _batch(tmp_path / "b.jsonl", 12, 8, seed=3)
     _local(batch, tiny_ckpt, tmp_path / "local.jsonl")
     store = open_store(StoreURL("s3", s3_bucket), S3Options())
     store.write("in/b.jsonl", batch.read_bytes())
+    for f in tiny_ckpt.iterdir():
+        store.write(f"models/tiny/{f.name}", f.read_bytes())
     url = f"s3://{s3_bucket}"
-    env = {**_env(), **s3_env, "LINGCTL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**_env(), **s3_env}
+    model = url + "/models/tiny"
     done = subprocess.run(
-        _flood(url + "/in/b.jsonl", tiny_ckpt, url + "/out/ray.jsonl", *_ray(cluster)),
+        _flood(url + "/in/b.jsonl", model, url + "/out/ray.jsonl", *_ray(cluster)),
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

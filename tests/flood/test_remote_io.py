@@ -10,22 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from lingctl.cli import run as cli_run
 from lingctl.core.errors import Interrupted, NotFoundError, UsageError
 from lingctl.core.storage import S3Options, StoreURL, open_store
 from lingctl.flood.batch.output import manifest_path
 from lingctl.flood.batch.remote_io import STAGING, StagedOutputs
+from tests.commands.test_flood import cli, greedy
 
 pytestmark = pytest.mark.slow
-
-
-def greedy(cid: str, ids: list[int], n: int) -> dict:
-    return {
-        "custom_id": cid,
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0},
-    }
 
 
 def batch_bytes(n: int) -> bytes:
@@ -57,12 +48,6 @@ def env(s3_env: dict[str, str], cache: Path, monkeypatch: pytest.MonkeyPatch) ->
 @pytest.fixture
 def store(s3_bucket: str, env: dict[str, str]):
     return open_store(StoreURL("s3", s3_bucket), S3Options())
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli_run(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_s3_batch_output_and_errors_match_a_local_run(lingctl, tiny_ckpt, tmp_path, cache, env, store, s3_bucket):

@@ -39,8 +39,8 @@ from lingctl.flood.engine.session import EngineSession, Progress, StopRequested,
 from lingctl.flood.text.chat_template import TemplateLimits
 from lingctl.flood.text.tokens import PromptError, TextCodec
 from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.flood.weights.remote_model import flood_model_dir
 from lingctl.model.checkpoint import parse_dtype
-from lingctl.model.hub import resolve_model_dir
 
 if TYPE_CHECKING:
     from lingctl.flood.cluster.engines import ClusterSession
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True, slots=True)
 class FloodOptions:
     batch: Path
-    model: Path | str  # checkpoint directory, or Hugging Face model id ORG/NAME[@REVISION] (from the cache)
+    model: Path | str  # checkpoint directory, Hugging Face model id ORG/NAME[@REVISION] (from the cache), or s3://
     out: Path | None = None
     errors: Path | None = None
     resume: bool = False
@@ -141,7 +141,7 @@ def _read_template(path: Path) -> str:
 
 def _open_model(opts: FloodOptions) -> tuple[ModelDir, TextCodec, str | None]:
     """The model directory, checked to fit before a weight byte is read, its text codec and chat template."""
-    model_dir = resolve_model_dir(opts.model, option="--model")
+    model_dir = flood_model_dir(opts.model, option="--model")
     md = ModelDir.open(model_dir)  # stages, fingerprint and loading all use this directory, never the id
     # A converted checkpoint decides --quantize (the manifest, the plan and the threads then see it).
     opts.engine = dataclasses.replace(

@@ -43,10 +43,11 @@ class BlockEngine:
     def __init__(self, spec: EngineSpec) -> None:
         from lingctl.flood.text.tokens import TextCodec
         from lingctl.flood.weights.model_dir import ModelDir
-        from lingctl.model.hub import resolve_model_dir
+        from lingctl.flood.weights.remote_model import flood_model_dir
 
         self.spec = spec
-        self.md = ModelDir.open(resolve_model_dir(spec.model))
+        # An s3:// model is copied into this node's cache once (engines on one node wait for the first copy).
+        self.md = ModelDir.open(flood_model_dir(spec.model))
         codec = TextCodec.for_model(
             self.md.path, chat_template=None, special_tokens=self.md.special_tokens(), limits=None
         )

@@ -101,10 +101,13 @@ class ModelEvaluation:
         engine: EngineOptions,
         skip: set[tuple[str, str]] | None = None,
         cluster: ClusterOptions | None = None,
+        spec: str | None = None,
     ) -> None:
         self.md, self.codec, self.tasks = md, codec, tasks
         self.opts = engine
-        self.cluster = cluster  # --ray: the items go to engines on a Ray cluster, which read the model at md.path
+        # --ray: the items go to engines on a Ray cluster, which open the model as ``spec`` names it (an s3://
+        # model is copied on each node), else at md.path
+        self.cluster, self.spec = cluster, spec
         self.run = ModelRun()
         self._requests: list[GenRequest] = []
         self._pending: dict[int, _Pending] = {}
@@ -190,7 +193,7 @@ class ModelEvaluation:
         if self.cluster is not None:
             from lingctl.flood.cluster.engines import ClusterSession  # Ray is imported there, and only with --ray
 
-            session = ClusterSession(self.cluster, model=str(self.md.path), engine=self.opts)
+            session = ClusterSession(self.cluster, model=self.spec or str(self.md.path), engine=self.opts)
         else:
             session = EngineSession(self.md, self.opts, plan, dtype=dtype, stop_check=self.codec.stop_check)
         started = time.monotonic()

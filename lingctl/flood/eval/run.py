@@ -38,7 +38,7 @@ from lingctl.flood.eval.report import CheckpointScores, Drop, TaskScore, find_dr
 from lingctl.flood.eval.task_files import read_tasks
 from lingctl.flood.eval.tasks import Task
 from lingctl.flood.weights.model_dir import ModelDir
-from lingctl.model.hub import resolve_model_dir
+from lingctl.flood.weights.remote_model import flood_model_dir
 from lingctl.runs.checkpoints import is_run_dir, list_checkpoints, run_finished
 
 log = logging.getLogger(__name__)
@@ -125,11 +125,20 @@ def run_eval(
     else:
         if opts.follow:
             raise UsageError(f"--follow needs a training run directory; {spec} is not one")
-        model_dir = resolve_model_dir(spec, option="--model")
+        model_dir = flood_model_dir(spec, option="--model")
         out = opts.out if opts.out is not None else default_out(opts.tasks[0])
         summary = EvalSummary(mode="model", model=str(spec), out=str(out), num_fewshot=fewshot_setting(tasks))
         summary.results.append(
-            evaluate_one(model_dir, tasks, opts, out, label=str(spec), should_stop=should_stop, on_progress=on_progress)
+            evaluate_one(
+                model_dir,
+                tasks,
+                opts,
+                out,
+                label=str(spec),
+                spec=str(spec),
+                should_stop=should_stop,
+                on_progress=on_progress,
+            )
         )
     summary.seconds = round(time.monotonic() - started, 3)
     fresh = [r for r in summary.results if not r.reused]
@@ -152,6 +161,7 @@ def evaluate_one(
     out: Path | str,
     *,
     label: str,
+    spec: str | None = None,
     step: int | None = None,
     tokens: int | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -175,6 +185,7 @@ def evaluate_one(
             engine=opts.engine,
             skip=files.done_keys if files is not None else None,
             cluster=opts.cluster,
+            spec=spec,
         )
         total = len(records) + evaluation.items
 

@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -74,27 +75,26 @@ def flood_model_dir(spec: str | Path, *, option: str = "--model", s3: S3Options 
 def fetch_model(url: StoreURL, s3: S3Options, *, option: str = "--model") -> tuple[Path, SyncResult]:
     """Sync the checkpoint at ``url`` into its copy (see the module docstring) under the machine-wide lock;
     the copy's directory and what the sync did. A failed copy raises babel's error for it, naming the first
-    object that failed; a prefix with nothing under it is a ``NotFoundError``."""
+    object that failed; a prefix with nothing under it (babel refuses to mirror one) a ``NotFoundError``."""
     if not url.prefix:
         raise UsageError(f"{option} {url} names a bucket, not a checkpoint", hint="give s3://bucket/path/to/checkpoint")
-    check_key(url.prefix)  # no '.' or '..' segment: the last one names a directory of the cache
+    try:
+        check_key(url.prefix)  # no '.' or '..' segment: the last one names a directory of the cache
+    except UsageError as exc:
+        raise UsageError(f"{option} {url}: {exc.message}", hint=exc.hint) from None
     copy = ModelCopy.of(url, s3)
     _private_dirs(copy)
     fd = _locked(copy)
     try:
         result = Syncer(url, StoreURL("file", prefix=str(copy.path)), s3, _sync_options(copy)).run()
-        if result.listed_source == 0:  # under the lock: another process may be about to copy into it
-            _remove_if_empty(copy.path, copy.entry)
+    except NotFoundError as exc:  # no bucket, or nothing under the prefix: the option that named it, first
+        _forget_empty(copy)  # under the lock: another process may be about to copy into it
+        raise NotFoundError(f"{option} {exc.message}", hint=exc.hint) from None
     finally:
         os.close(fd)  # releases the lock
     error = result.failure()
     if error is not None:
         raise type(error)(f"{option} {url}: copying into {copy.path} failed: {error.message}", hint=error.hint)
-    if result.listed_source == 0:
-        raise NotFoundError(
-            f"{option} {url}: no objects under this prefix",
-            hint=f"check the bucket and the prefix: lingctl babel ls s3://{url.bucket}/",
-        )
     log.info(
         "%s: %d file(s), %d byte(s) copied, %d already in %s",
         url,
@@ -107,8 +107,8 @@ def fetch_model(url: StoreURL, s3: S3Options, *, option: str = "--model") -> tup
 
 
 def _sync_options(copy: ModelCopy) -> SyncOptions:
-    # delete: the copy is the prefix, nothing else (a re-uploaded checkpoint may have other shard names);
-    # babel deletes nothing after a failed copy or from an empty prefix.
+    # delete: the copy is the prefix and nothing else (a checkpoint uploaded again as one file must not keep
+    # the index of its old shards). babel deletes nothing after a failed copy, and refuses an empty prefix.
     return SyncOptions(delete=True, verify="sampled", state_dir=copy.journal)
 
 
@@ -144,13 +144,15 @@ def _locked(copy: ModelCopy) -> int:
     return fd
 
 
-def _remove_if_empty(*paths: Path) -> None:
-    """Remove the directories made for a copy of nothing, innermost first; any that holds something stays."""
-    for path in paths:
-        try:
-            path.rmdir()
-        except OSError:
-            return  # holds an earlier copy, or is gone
+def _forget_empty(copy: ModelCopy) -> None:
+    """Remove what a copy of nothing left: its empty directories and its journal, unless an earlier copy is
+    there. The lock file stays: removing one that another process may be waiting on would give two holders."""
+    try:
+        copy.path.rmdir()
+        copy.entry.rmdir()
+    except OSError:
+        return  # holds an earlier copy, or is gone
+    shutil.rmtree(copy.journal, ignore_errors=True)
 
 
 __all__ = ["ModelCopy", "fetch_model", "flood_model_dir"]
