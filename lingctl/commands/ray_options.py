@@ -44,7 +44,8 @@ RayBlockOpt = Annotated[
     typer.Option(
         "--ray-block",
         metavar="N",
-        help="Requests per block sent to an engine (default: about 4 blocks per engine, 2 x --max-seqs to 1024).",
+        help="Requests per block sent to an engine (default: about 4 blocks per engine, at least 2 x --max-seqs "
+        "unless an engine would get none, at most 1024).",
     ),
 ]
 

@@ -162,9 +162,8 @@ def test_a_cluster_run_writes_the_local_run_s_file_byte_for_byte(cluster, tiny_c
     assert summary["succeeded"] == local["succeeded"] == 30 and summary["failed"] == local["failed"] == 1
     engines = summary["cluster"]["engines"]
     assert len(engines) == 2 and len({e["node"] for e in engines}) == 2  # one engine on each node
-    assert (
-        all(e["blocks"] >= 1 for e in engines) and sum(e["requests"] for e in engines) == 31
-    )  # the out-of-vocabulary one fails in an engine
+    # Whichever engine is ready first starts; together they answered all 31 (the out-of-vocabulary one fails in one).
+    assert sum(e["requests"] for e in engines) == 31 and summary["cluster"]["blocks"] >= 6
     assert summary["generated_tokens"] == local["generated_tokens"]
     # Requests sharing a prefix went to one engine: the answers' cached_tokens (in the bytes above) and the total agree.
     assert summary["prefix_tokens_saved"] == local["prefix_tokens_saved"] > 0

@@ -44,7 +44,8 @@ def test_blocks_keep_a_request_s_answers_and_its_prefix_group_together() -> None
 
 def test_the_default_block_is_a_quarter_of_an_engine_s_share_within_bounds() -> None:
     assert block_size(4_000, 2, 8) == 500
-    assert block_size(100, 4, 256) == 512  # at least two full engine batches
+    assert block_size(2_000, 2, 256) == 512  # at least two full engine batches
+    assert block_size(256, 2, 256) == 128  # but every engine gets a block
     assert block_size(10_000_000, 10, 8) == MAX_BLOCK
 
 

@@ -25,9 +25,12 @@ class Block:
 
 def block_size(requests: int, engines: int, max_seqs: int) -> int:
     """The default block: about four blocks per engine (a slow or lost engine then costs a quarter of its
-    share), but at least two engine batches (``max_seqs``) and at most ``MAX_BLOCK`` requests."""
-    per_engine = math.ceil(requests / max(1, 4 * engines))
-    return max(1, min(MAX_BLOCK, max(per_engine, 2 * max_seqs)))
+    share), but at least two engine batches (``max_seqs``: a smaller block runs smaller, slower batches) unless
+    that would leave an engine without a block, and at most ``MAX_BLOCK`` requests."""
+    engines = max(1, engines)
+    quarter = math.ceil(requests / (4 * engines))
+    floor = min(2 * max_seqs, math.ceil(requests / engines))
+    return max(1, min(MAX_BLOCK, max(quarter, floor)))
 
 
 def make_blocks(requests: list[GenRequest], *, chunk: int, target: int) -> list[Block]:

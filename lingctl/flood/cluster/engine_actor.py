@@ -53,26 +53,37 @@ class BlockEngine:
         )
         # Stop strings are found in the decoded text, so the engine needs the tokenizer (never a template).
         self.stop_check = codec.stop_check if codec.tokenizer is not None else None
-        self.session: Any = None
+        self.session: Any = None  # made by ready()
+        self.blocks = 0
         self.where = {"node": _node_id(), "host": socket.gethostname(), "pid": os.getpid(), "cpus": spec.cpus}
 
     def ready(self) -> dict[str, Any]:
-        """Where this engine runs (answered once its model directory is open)."""
+        """Load the model; then say where this engine runs. The driver sends blocks only to a ready engine, so
+        the time it measures answering excludes the loads, as a local run's does."""
+        from lingctl.flood.engine.session import EngineSession
+
+        self.session = EngineSession(
+            self.md, self.spec.engine, self._plan([]), dtype=self._dtype(), stop_check=self.stop_check
+        )
+        self.session.max_threads = max(1, int(self.spec.cpus))
+        self.session.load()
         return self.where
 
-    def answer(self, block: Block) -> BlockAnswers:
-        from lingctl.flood.engine.session import EngineSession, plan_requests
+    def _dtype(self) -> Any:
         from lingctl.model.checkpoint import parse_dtype
 
-        opts = self.spec.engine
-        dtype = parse_dtype(opts.dtype)
-        plan = plan_requests(self.md.config, block.requests, opts, dtype, converted=self.md.converted is not None)
-        first = self.session is None
-        if first:
-            self.session = EngineSession(self.md, opts, plan, dtype=dtype, stop_check=self.stop_check)
-            self.session.max_threads = max(1, int(self.spec.cpus))
-        else:
-            self.session.plan = plan
+        return parse_dtype(self.spec.engine.dtype)
+
+    def _plan(self, requests: list[Any]) -> Any:
+        from lingctl.flood.engine.session import plan_requests
+
+        converted = self.md.converted is not None
+        return plan_requests(self.md.config, requests, self.spec.engine, self._dtype(), converted=converted)
+
+    def answer(self, block: Block) -> BlockAnswers:
+        first = not self.blocks
+        self.blocks += 1
+        self.session.plan = self._plan(block.requests)  # the KV cache this block needs
         results = list(self.session.results(block.requests))
         return BlockAnswers(
             index=block.index,

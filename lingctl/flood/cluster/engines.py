@@ -155,6 +155,7 @@ class _Dispatch:
         self.in_flight: dict[Any, tuple[int, Block]] = {}
         self.replacements = 0
         self.started = time.monotonic()
+        self.answering = False
         self.idle_since: float | None = None  # since when no engine is running, while some are being placed
         self.done_requests = 0
 
@@ -220,15 +221,22 @@ class _Dispatch:
             log.warning("an engine could not start: %s", figures.error)
             return
         figures.node, figures.host = where["node"], where["host"]
+        if not self.answering:  # answering starts with the first engine ready (its model loaded), as locally
+            self.answering, self.started = True, time.monotonic()
         self.live[number] = 0
         self.idle_since = None
 
     def _feed(self) -> None:
-        for number in sorted(self.live, key=lambda n: self.live[n]):
-            while self.todo and self.live[number] < self.s.opts.in_flight:
-                block = self.todo.popleft()
-                self.in_flight[self.actors[number].answer.remote(block)] = (number, block)
-                self.live[number] += 1
+        """One block to every idle engine first, then a second one queued behind it, except the blocks that
+        engines still starting would otherwise find none of."""
+        for depth in range(1, self.s.opts.in_flight + 1):
+            for number in sorted(self.live, key=lambda n: self.live[n]):
+                if not self.todo or (depth > 1 and len(self.todo) <= len(self.starting)):
+                    return
+                if self.live[number] < depth:
+                    block = self.todo.popleft()
+                    self.in_flight[self.actors[number].answer.remote(block)] = (number, block)
+                    self.live[number] += 1
 
     def _block_back(self, ref: Any) -> Iterator[GenResult]:
         number, block = self.in_flight.pop(ref)

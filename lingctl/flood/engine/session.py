@@ -182,10 +182,15 @@ class EngineSession:
                 kv_cache_tokens=self.plan.kv_tokens,
                 threads_per_stage=per_stage,
             )
+        return local_runner(self.load(), self.plan.kv_tokens, self.dtype)
+
+    def load(self) -> LingForCausalLM:
+        """The model, loaded on the first call (a cluster engine loads it before its first block, so that the
+        load is not counted as answering)."""
         if self._model is None:
-            self._model, load = self.md.load_with_stats(dtype=self.dtype, quantize=opts.quantize)
+            self._model, load = self.md.load_with_stats(dtype=self.dtype, quantize=self.opts.quantize)
             self.load_seconds, self.load_bytes_read = load.seconds, load.bytes_read
-        return local_runner(self._model, self.plan.kv_tokens, self.dtype)
+        return self._model
 
 
 def _check(should_stop: Callable[[], bool] | None) -> None:
