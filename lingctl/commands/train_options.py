@@ -15,12 +15,21 @@ import inspect
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
-from lingctl.commands.options import DURATION_FORMS, duration
+from lingctl.commands.options import (
+    DURATION_FORMS,
+    EndpointOpt,
+    JsonOpt,
+    PathStyleOpt,
+    ProfileOpt,
+    RegionOpt,
+    duration,
+)
 from lingctl.runs.settings import Setting, walk
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,37 +103,102 @@ SetOpt = Annotated[
 ]
 
 
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    """The options of every command that runs training (``train``, ``train sft``, ``train dpo``): where the run
+    is, how it starts, the launcher of several workers, the object store, and the output mode."""
+
+    out: str | None = None
+    resume: bool = False
+    adopt: bool = False
+    cache_dir: Path | None = None
+    nproc: int = 1
+    max_restarts: int | None = None
+    hang_timeout: float | None = None
+    config: Path | None = None
+    sets: list[str] | None = None
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    path_style: bool | None = None
+    dry_run: bool = False
+    json: bool = False
+
+
+PlanOnlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run", "-n", help="Print the memory plan per worker and whether it fits; start nothing, write nothing."
+    ),
+]
+
+
+def _run_option_types() -> dict[str, Any]:
+    return {
+        "out": OutOpt,
+        "resume": ResumeOpt,
+        "adopt": AdoptOpt,
+        "cache_dir": CacheDirOpt,
+        "nproc": NprocOpt,
+        "max_restarts": MaxRestartsOpt,
+        "hang_timeout": HangTimeoutOpt,
+        "config": ConfigOpt,
+        "sets": SetOpt,
+        "endpoint_url": EndpointOpt,
+        "region": RegionOpt,
+        "profile": ProfileOpt,
+        "path_style": PathStyleOpt,
+        "dry_run": PlanOnlyOpt,
+        "json": JsonOpt,
+    }
+
+
+def _expand(command: F, name: str, options: dict[str, tuple[Any, Any]], collect: Callable[[dict[str, Any]], Any]) -> F:
+    """``command`` with its parameter ``name`` replaced by keyword options (``options``: option parameter ->
+    (default, annotation)); called with ``name`` set to ``collect`` of those options' values."""
+    signature = inspect.signature(command, eval_str=True)
+    params: list[inspect.Parameter] = []
+    for p in signature.parameters.values():
+        if p.name != name:
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+            continue
+        for option, (default, annotation) in options.items():
+            params.append(
+                inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            )
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        kwargs[name] = collect({option: kwargs.pop(option) for option in options})
+        return command(**kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def with_run_options(command: F) -> F:
+    """A decorator: the command gets the :class:`RunOptions` as options where its ``run`` parameter is, and is
+    called with them as one ``run`` object."""
+    defaults = RunOptions()
+    options = {name: (getattr(defaults, name), annotation) for name, annotation in _run_option_types().items()}
+    return _expand(command, "run", options, lambda values: RunOptions(**values))
+
+
 def with_settings(cls: type) -> Callable[[F], F]:
     """A decorator: the command gets an option for every setting of ``cls`` that names a flag, where its
     ``settings`` parameter is, and is called with their values as ``settings`` (a :data:`Settings`)."""
     defaults = cls()
-    options = {
-        _name(s): (dotted, _annotation(kind, s, _default_shown(defaults, dotted)))
-        for dotted, kind, s in walk(cls)
-        if s.flag
-    }
+    dotted_of: dict[str, str] = {}
+    options: dict[str, tuple[Any, Any]] = {}
+    for dotted, kind, s in walk(cls):
+        if s.flag:
+            dotted_of[_name(s)] = dotted
+            options[_name(s)] = (None, _annotation(kind, s, _default_shown(defaults, dotted)))
 
-    def decorate(command: F) -> F:
-        signature = inspect.signature(command, eval_str=True)
-        params: list[inspect.Parameter] = []
-        for p in signature.parameters.values():
-            if p.name != "settings":
-                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-                continue
-            for name, (_, annotation) in options.items():
-                params.append(
-                    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-                )
+    def collect(values: dict[str, Any]) -> Settings:
+        return {dotted_of[name]: _given(value) for name, value in values.items()}
 
-        @functools.wraps(command)
-        def wrapper(**kwargs: Any) -> Any:
-            given = {dotted: _given(kwargs.pop(name)) for name, (dotted, _) in options.items()}
-            return command(settings=given, **kwargs)
-
-        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
+    return lambda command: _expand(command, "settings", options, collect)
 
 
 def _name(s: Setting) -> str:

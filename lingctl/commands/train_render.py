@@ -96,7 +96,9 @@ def step_text(r: Record) -> str:
     cv = max((x["cv"] for x in r["expert_load"]), default=0.0)
     paces = r.get("worker_tokens_per_s")
     per_worker = f" ({'/'.join(f'{x:,.0f}' for x in paces)} per worker)" if paces else ""
-    return f"loss {r['loss']:.3f} lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s{per_worker} expert cv {cv:.2f}"
+    task = r.get("task") or {}
+    dpo = f" margin {task['reward_margin']:.3f} acc {task['reward_accuracy']:.2f}" if "reward_margin" in task else ""
+    return f"loss {r['loss']:.3f}{dpo} lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s{per_worker} expert cv {cv:.2f}"
 
 
 def _preparing(r: Record) -> str:

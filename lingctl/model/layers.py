@@ -100,9 +100,11 @@ class Attention(nn.Module):
         b, _, s, _ = out.shape
         return self.dense(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
-    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, mask_B1SS: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q, k, v = self.project(x_BSD, positions_BS)
-        return self.attend(q, k, v)
+        return self.attend(q, k, v, mask=mask_B1SS)
 
 
 class MLP(nn.Module):

@@ -36,8 +36,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
-        h = x_BSD + self.attention(self.input_layernorm(x_BSD), positions_BS)
+    def forward(
+        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, mask_B1SS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RouterOutput | None]:
+        h = x_BSD + self.attention(self.input_layernorm(x_BSD), positions_BS, mask_B1SS)
         return self.mlp_residual(h)
 
     def mlp_residual(self, h_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
@@ -59,7 +61,7 @@ class LingModel(nn.Module):
 
 @dataclass(slots=True)
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, S, vocab]
+    logits: torch.Tensor  # [B, S, vocab], or [N, vocab] at the positions asked for
     routes: list[RouterOutput]  # one per MoE layer, in layer order
 
 
@@ -115,21 +117,36 @@ class LingForCausalLM(nn.Module):
         return F.linear(hidden_BSD, w)
 
     def hidden_states(
-        self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        mask_B1SS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[RouterOutput]]:
+        """``mask_B1SS``: which keys each query may attend to (True: may), in place of the causal mask; packed
+        fine-tuning rows pass a block-diagonal causal one, with ``positions_BS`` restarting per example."""
         if positions_BS is None:
             s = input_ids_BS.shape[1]
             positions_BS = torch.arange(s, device=input_ids_BS.device).expand_as(input_ids_BS)
         x = self.model.word_embeddings(input_ids_BS)
         routes: list[RouterOutput] = []
         for layer in self.model.layers:
-            x, route = layer(x, positions_BS)
+            x, route = layer(x, positions_BS, mask_B1SS)
             if route is not None:
                 routes.append(route)
         return self.model.norm(x), routes
 
-    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None) -> CausalLMOutput:
-        hidden, routes = self.hidden_states(input_ids_BS, positions_BS)
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        mask_B1SS: torch.Tensor | None = None,
+        logits_at_N: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """``logits_at_N``: flat token indices (into B*S) to compute logits at, [N, vocab]; fine-tuning takes
+        its loss on answer tokens only, and the head is the largest matrix product of a small model."""
+        hidden, routes = self.hidden_states(input_ids_BS, positions_BS, mask_B1SS)
+        if logits_at_N is not None:
+            hidden = hidden.reshape(-1, hidden.shape[-1])[logits_at_N]
         return CausalLMOutput(self.logits(hidden), routes)
 
     def normalize_head_(self) -> None:

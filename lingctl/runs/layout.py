@@ -47,6 +47,8 @@ INCIDENT_DIR = "incidents"
 INCIDENT_FILES = (INCIDENTS, INCIDENT_DIR)
 # Written at the end of a local run when the name is free (``lingctl train plot``'s default output).
 PLOT = "loss.png"
+# A DPO run's reference log-probabilities, computed once from the starting checkpoint (a resume reads them).
+REFERENCE = "reference_logps.json"
 # Where --report-to tensorboard and wandb write, inside the run directory.
 REPORT_DIRS = ("tensorboard", "wandb")
 
@@ -86,7 +88,7 @@ def is_layout_name(name: str) -> bool:
     return (
         name in RUN_FILES
         or name in INCIDENT_FILES
-        or name == PLOT
+        or name in (PLOT, REFERENCE)
         or name in REPORT_DIRS
         or checkpoint_step(name) is not None
     )

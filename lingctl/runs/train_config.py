@@ -124,6 +124,55 @@ class MoeLossConfig:
         check_settings(self, "moe.")
 
 
+LOSS_ON = ("assistant", "all", "last")
+TASKS = ("pretrain", "sft", "dpo")
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A stage of the length curriculum: rows of ``seq_len`` tokens."""
+
+    seq_len: int
+    long_fraction: float | None  # the share of the stage's tokens from its own (longer) examples; None: all
+
+
+def parse_schedule(text: str | None, seq_len: int) -> list[Stage]:
+    """``--seq-len-schedule "4096,16384@0.05"`` as stages; none: one stage of ``seq_len``."""
+    if not text:
+        return [Stage(seq_len, None)]
+    stages: list[Stage] = []
+    for i, part in enumerate(text.split(",")):
+        length, sep, fraction = part.strip().partition("@")
+        try:
+            n, f = int(length), (float(fraction) if sep else None)
+        except ValueError:
+            raise UsageError(f"--seq-len-schedule: {part!r} is not LENGTH or LENGTH@FRACTION") from None
+        if n < 2 or (stages and n <= stages[-1].seq_len):
+            raise UsageError(f"--seq-len-schedule: lengths must grow and be at least 2, got {text!r}")
+        if i == 0 and f is not None:
+            raise UsageError("--seq-len-schedule: the first stage takes no fraction (it holds all the short examples)")
+        if i > 0 and (f is None or not 0 < f <= 1):
+            raise UsageError(f"--seq-len-schedule: stage {i + 1} needs a fraction in (0, 1], e.g. {n}@0.05")
+        stages.append(Stage(n, f))
+    return stages
+
+
+@dataclass(kw_only=True, slots=True)
+class PostConfig:
+    """Fine-tuning (``lingctl train sft`` and ``train dpo``); the subcommands set these from their options."""
+
+    # Which tokens an SFT example trains on: assistant turns, every token, or the last assistant turn only.
+    loss_on: str = setting("assistant", rule=one_of(*LOSS_ON))
+    beta: float = setting(0.1, rule=number(0, above=True))  # DPO: strength of the pull towards the reference
+    nll_weight: float = setting(0.0, rule=number(0))  # DPO: weight of the chosen answers' NLL (TRL's rpo_alpha)
+    # Length curriculum, e.g. "4096,16384@0.05"; None = one stage of seq_len.
+    seq_len_schedule: str | None = None
+
+    def validate(self) -> None:
+        check_settings(self, "post.")
+        parse_schedule(self.seq_len_schedule, 2)
+
+
 @dataclass(kw_only=True, slots=True)
 class SpikeConfig:
     """The loss-spike guard (``lingctl.train.spike``)."""
@@ -300,6 +349,9 @@ class TrainConfig:
         resumable=True,
     )
     moe: MoeLossConfig = field(default_factory=MoeLossConfig)
+    # What the run trains: pre-training on text, or fine-tuning (the `train sft` and `train dpo` subcommands).
+    task: str = setting("pretrain", rule=one_of(*TASKS))
+    post: PostConfig = field(default_factory=PostConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     # The watchdog: None = on with several workers. In the workers it rolls a diverged run back to its last
     # checkpoint with a lower learning rate, skipping the data that diverged; in the launcher it detects
@@ -381,3 +433,4 @@ class TrainConfig:
         parse_pair(self.simulate_hang, "simulate_hang (--simulate-hang RANK:STEP)")
         parse_pair(self.simulate_spikes, "simulate_spikes (--simulate-spikes STEP:COUNT)")
         preset(self.preset)  # unknown preset: one line with the choices
+        self.post.validate()

@@ -22,7 +22,7 @@ class Attempt:
     tries: int  # how often these rows were tried before
     began: float  # monotonic
     read: float  # when the batch was read
-    inputs: torch.Tensor
+    n_tokens: int  # the batch's real tokens (fine-tuning's packed rows may end in padding)
     parts: dict[str, Any]  # losses.step_loss's parts
     loss: torch.Tensor  # what backward runs on (drills applied)
     lr: float
@@ -76,6 +76,7 @@ def step_record(a: Attempt, *, step: int, tokens: int, n_tokens: int, num_expert
         "routing_alpha": round(a.alpha, 4),
         "expert_load": losses.expert_load(parts["routes"], num_experts),
         "spikes_skipped": spikes_skipped,
+        **({"task": {k: round(v, 6) for k, v in parts["extra"].items()}} if parts.get("extra") else {}),
     }
 
 

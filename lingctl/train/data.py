@@ -14,7 +14,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -91,25 +91,30 @@ def _truncate_utf8(text: str, limit: int) -> str:
     return text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
+def iter_json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(FILE:LINE, value)`` for each non-blank line of a JSONL file; a malformed line is one error naming it."""
     try:
         with path.open("rb") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    record = parse_json(line)
+                    yield f"{path}:{lineno}", parse_json(line)
                 except BadLine as exc:
                     raise LingctlError(f"{path}:{lineno}: malformed JSON: {exc}") from None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise LingctlError(
-                        f"{path}:{lineno}: no string field {text_field!r}",
-                        hint=f"each line must be a JSON object with the document in {text_field!r}",
-                    )
-                yield f"{path}:{lineno}", text
     except OSError as exc:
         raise os_error(exc, str(path)) from exc
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
+    for where, record in iter_json_lines(path):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise LingctlError(
+                f"{where}: no string field {text_field!r}",
+                hint=f"each line must be a JSON object with the document in {text_field!r}",
+            )
+        yield where, text
 
 
 def _read_text(path: Path, limit: int | None) -> str | None:
@@ -248,6 +253,14 @@ def build_token_data(
         n_tokens=len(train_tokens) + len(eval_tokens),
         n_documents=n_documents,
     )
+
+
+class Order(Protocol):
+    """Which row comes at each position of a run's batch order (``BatchOrder``, a curriculum's ``StagedOrder``)."""
+
+    n_rows: int
+
+    def indices(self, cursor: int, count: int) -> np.ndarray: ...
 
 
 class BatchOrder:

@@ -39,12 +39,16 @@ class PreparedData:
     model_config: LingConfig
 
     def check_unchanged(self, saved: str) -> None:
-        """The data of a resumed run must be the data it was checkpointed with (``saved``: its fingerprint)."""
-        if saved != self.fingerprint:
-            raise LingctlError(
-                f"the training data changed since this run was checkpointed (fingerprint {saved} -> {self.fingerprint})",
-                hint="resume with the same --data, or start a new run with another --out",
-            )
+        check_fingerprint(saved, self.fingerprint)
+
+
+def check_fingerprint(saved: str, current: str) -> None:
+    """The data of a resumed run must be the data it was checkpointed with (``saved``: its fingerprint)."""
+    if saved != current:
+        raise LingctlError(
+            f"the training data changed since this run was checkpointed (fingerprint {saved} -> {current})",
+            hint="resume with the same --data, or start a new run with another --out",
+        )
 
 
 def _default_files() -> list[Path]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lingctl.runs.train_config import SpikeConfig
-from lingctl.train.data import BatchOrder
+from lingctl.train.data import Order
 from lingctl.train.workers import Workers, strided_rows
 
 
@@ -27,7 +27,7 @@ class DataPosition:
     cursor: int = 0  # sequences of this worker's stride consumed so far
     retries: list[Retry] = field(default_factory=list)  # by due step
 
-    def next_batch(self, step: int, size: int, order: BatchOrder, workers: Workers) -> tuple[list[int], int]:
+    def next_batch(self, step: int, size: int, order: Order, workers: Workers) -> tuple[list[int], int]:
         """Rows for the attempt at ``step`` and how often they were tried before: a due retry first, else
         ``size`` fresh rows."""
         if self.retries and self.retries[0].due <= step:

@@ -10,6 +10,11 @@ the run's metrics file holds. Both backends log the same scalar names (:func:`sc
     workers/rank_{r}/tokens_per_s    several workers: each one's tokens over its own busy time (synchronous
                                      steps: its previous step, waits for the others excluded; local SGD: the
                                      period before each sync)
+    rewards/chosen  rewards/rejected  rewards/margins  rewards/accuracies
+                                     train dpo: the implicit rewards beta * (log pi - log ref) of the
+                                     chosen and rejected answers, their mean difference, and how often the
+                                     chosen one's is higher (TRL's names)
+    train/preference_loss  train/chosen_nll
 
 Each backend's package is imported only when asked for: :func:`require` fails with one line naming the
 extra to install, before the run starts.
@@ -57,10 +62,21 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     }
     # The step record's expert_load holds, per MoE layer, max/mean and min/mean of the per-expert token
     # counts and their cv (losses.expert_load), so max_over_mean is its "max".
+    # A DPO step's figures, under the names TRL's DPOTrainer logs them with.
+    for name, value in (record.get("task") or {}).items():
+        out[_TASK_NAMES.get(name, f"train/{name}")] = float(value)
     for i, layer in enumerate(record.get("expert_load") or []):
         out[f"experts/layer_{i}/cv"] = float(layer["cv"])
         out[f"experts/layer_{i}/max_over_mean"] = float(layer["max"])
     return out
+
+
+_TASK_NAMES = {
+    "rewards_chosen": "rewards/chosen",
+    "rewards_rejected": "rewards/rejected",
+    "reward_margin": "rewards/margins",
+    "reward_accuracy": "rewards/accuracies",
+}
 
 
 def require(kind: str) -> None:

@@ -14,7 +14,7 @@ from lingctl.core.config import from_mapping
 from lingctl.core.errors import UsageError
 from lingctl.model.config import LingConfig
 from lingctl.model.presets import preset
-from lingctl.runs.train_config import TrainConfig
+from lingctl.runs.train_config import TrainConfig, parse_schedule
 
 # Training defaults per preset: what fits the preset's purpose on the hardware it targets.
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
@@ -35,12 +35,19 @@ class Resolved:
     vocab_size: int | None  # tokenizer vocabulary to train; None = the model's
 
 
+# Fine-tuning's learning rates when --lr is not given: TRL's defaults (SFTConfig, DPOConfig), which users of
+# fine-tuning know; a pre-training rate would undo what the checkpoint learned.
+POST_LR = {"sft": 2e-5, "dpo": 1e-6}
+
+
 def resolve(config: TrainConfig) -> Resolved:
     d = PRESET_TRAINING[config.preset]
+    seq_len = config.seq_len or d["seq_len"]
     return Resolved(
-        seq_len=config.seq_len or d["seq_len"],
+        # A length curriculum's longest rows are the ones the model, and the memory plan, must fit.
+        seq_len=parse_schedule(config.post.seq_len_schedule, seq_len)[-1].seq_len,
         batch_size=config.batch_size or d["batch_size"],
-        lr=config.optim.lr or d["lr"],
+        lr=config.optim.lr or POST_LR.get(config.task) or d["lr"],
         vocab_size=config.data.vocab_size or d["vocab_size"],
     )
 

@@ -188,6 +188,11 @@ def _init_source(config: TrainConfig, explicit: Mapping[str, Any]) -> InitSource
     """The checkpoint a new run starts from (``--init-from``), checked against the settings before any data is
     read."""
     if not config.init_from:
+        if config.task != "pretrain":
+            raise UsageError(
+                f"train {config.task} needs --init-from: the checkpoint to fine-tune (a run directory's "
+                "checkpoints/step-N, or a Hub id)"
+            )
         return None
     init = open_init_source(config.init_from)
     source = f"the checkpoint ({config.init_from})"

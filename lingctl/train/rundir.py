@@ -132,8 +132,12 @@ class RunDir:
 
     def claim_report_dir(self, name: str) -> None:
         """List the directory a reporter writes into (``tensorboard/``, ``wandb/``) as the run's before it does."""
+        self.claim_files([name])
+
+    def claim_files(self, names: list[str]) -> None:
+        """List files of the run (a DPO run's reference log-probabilities) as its own before they are written."""
         for place in self._places():
-            place.claim([name])
+            place.claim(names)
 
     def fetch_for_resume(self, latest: dict[str, Any], *, last_step: int, main: bool = True) -> None:
         """Bring the committed checkpoint, tokenizer and metrics into the local directory. ``main``: this

@@ -26,6 +26,7 @@ from lingctl.model.ling import LingForCausalLM
 from lingctl.model.tokenizer import save_tokenizer
 from lingctl.runs.train_config import OptimConfig, TrainConfig
 from lingctl.train.dataset import PreparedData, prepare_data
+from lingctl.train.post.dataset import PostData, prepare_post_data
 from lingctl.train.report import report_dir_name
 from lingctl.train.resolved import Resolved
 from lingctl.train.rundir import RunDir
@@ -44,6 +45,8 @@ class RunStart:
     # with the tokenizer or the starting checkpoint; None = lingctl's own.
     tokenizer_config: dict[str, Any] | None
     code_repo: str | None  # where the checkpoints' config.json auto_map sends transformers for Ling's code
+    # The checkpoint whose chat template renders fine-tuning data: the starting one, or the run's own on resume.
+    template_dir: Path | None = None
 
 
 def open_run(
@@ -77,6 +80,8 @@ def open_run(
         start.tokenizer_config = tokenizer_source(config.data.tokenizer)[1]
     elif init is not None:
         start.tokenizer, start.tokenizer_config = _init_tokenizer(init), init.tokenizer_config
+    if init is not None:
+        start.template_dir = init.directory
     return start
 
 
@@ -90,6 +95,7 @@ def _resumed(config: TrainConfig, run: RunDir, latest: dict[str, Any]) -> RunSta
         tokenizer=run.local / TOKENIZER,
         tokenizer_config=read_json_object(ckpt / TOKENIZER_CONFIG),
         code_repo=config.hf_code_repo or None,
+        template_dir=ckpt,
     )
 
 
@@ -103,14 +109,24 @@ def _init_tokenizer(init: InitSource) -> Path:
     return path
 
 
-def shared_data(start: RunStart, config: TrainConfig, res: Resolved, run: RunDir, workers: Workers) -> PreparedData:
+def shared_data(
+    start: RunStart, config: TrainConfig, res: Resolved, run: RunDir, workers: Workers
+) -> PreparedData | PostData:
     """The run's data and tokenizer. A new run's tokenizer is rank 0's, sent to the other workers over the
     process group (no shared directory is needed); its directory is created only once the data is usable, so
     a bad --data leaves no empty run directory behind."""
     tokenizer = start.tokenizer
     if start.latest is None and not workers.is_main:
         tokenizer = _received_tokenizer(workers.broadcast(None))
-    data = prepare_data(config, res, tokenizer_path=tokenizer, init=start.shape)
+    data: PreparedData | PostData
+    if config.task == "pretrain":
+        data = prepare_data(config, res, tokenizer_path=tokenizer, init=start.shape)
+    else:
+        if tokenizer is None or start.template_dir is None:
+            raise UsageError(f"train {config.task} needs --init-from: the checkpoint to fine-tune")
+        data = prepare_post_data(
+            config, res, tokenizer_path=tokenizer, template_dir=start.template_dir, init=start.shape
+        )
     if start.latest is None and workers.is_main:
         run.prepare_fresh()
         save_tokenizer(data.tokenizer, run.local / TOKENIZER)

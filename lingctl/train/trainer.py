@@ -25,15 +25,18 @@ import torch
 from lingctl.runs.layout import METRICS, checkpoint_name
 from lingctl.runs.records import Record
 from lingctl.runs.train_config import TrainConfig
-from lingctl.train import losses, schedule
+from lingctl.train import schedule
 from lingctl.train.attempt import Attempt, Pace, spike_record, step_record, worker_rates
 from lingctl.train.checkpointing import CheckpointManager, ModelFiles
-from lingctl.train.data import BatchOrder, batch_tensors
 from lingctl.train.dataset import PreparedData
 from lingctl.train.drills import DrillPlan, Drills
 from lingctl.train.evaluation import eval_loss
 from lingctl.train.metrics_log import MetricsLog
+from lingctl.train.objective import objective_for
 from lingctl.train.position import DataPosition
+from lingctl.train.post.dataset import PostData
+from lingctl.train.post.objective import Finetuning
+from lingctl.train.post.reference import attach_reference
 from lingctl.train.recovery import At, Divergence, Recovery
 from lingctl.train.resolved import resolve
 from lingctl.train.rundir import RunDir
@@ -138,7 +141,7 @@ class Trainer:
         # (A resume verifies its checkpoint only after that, so it says nothing here: its error comes first.)
         if self.announce_setup and start.latest is None:
             self._emit({"event": "preparing", "run_dir": self.run.describe()}, metric=False)
-        self.data: PreparedData = shared_data(start, self.config, self.res, self.run, self.workers)
+        self.data: PreparedData | PostData = shared_data(start, self.config, self.res, self.run, self.workers)
         self.files = ModelFiles(
             tokenizer_json=self.data.tokenizer.to_str(),
             tokenizer_config=start.tokenizer_config,
@@ -150,19 +153,24 @@ class Trainer:
     def _build_model(self, latest: dict[str, Any] | None) -> None:
         """The model a run starts with, AdamW, a step's loss and the checkpoint manager."""
         c = self.config
-        self.order = BatchOrder(len(self.data.tokens.train), c.seed)
         init = self.init if latest is None else None  # a resume's weights come from its checkpoint
         self.model = initial_model(self.data.model_config, c, init=init)
         self.optimizer = adamw(self.model, c.optim, self.res.lr)
-        # A step's loss with the run's coefficients, of a module: the wrapped model in steps, the bare one in
-        # evals (rank 0 evaluates alone, and a DDP forward may start a collective).
-        self._loss = functools.partial(
-            losses.step_loss,
-            num_experts=self.model.config.num_experts,
-            balance_coef=c.moe.balance_coef,
-            z_coef=c.moe.z_coef,
-            bf16=c.dtype == "bfloat16",
-        )
+        # What a step's loss is, of a module: the wrapped model in steps, the bare one in evals (rank 0
+        # evaluates alone, and a DDP forward may start a collective).
+        self.objective = objective_for(c, self.data, self.model)
+        self.order = self.objective.order(c.seed)
+        if isinstance(self.objective, Finetuning) and self.objective.kind == "dpo":
+            # From the starting weights, before any step; a resume reads what the new run computed.
+            attach_reference(
+                self.objective,
+                self.model,
+                self.run,
+                self.workers,
+                fingerprint=self.data.fingerprint,
+                resume=latest is not None,
+                bf16=c.dtype == "bfloat16",
+            )
         self.checkpoints = CheckpointManager(
             run=self.run, workers=self.workers, config=c, model=self.model, optimizer=self.optimizer, owner=self
         )
@@ -294,7 +302,8 @@ class Trainer:
             "preset": self.config.preset,
             "parameters": cfg.num_parameters(),
             "active_parameters": cfg.num_parameters(active=True),
-            "train_sequences": len(self.data.tokens.train),
+            "train_sequences": self.objective.n_rows,
+            "task": self.config.task,
             "seq_len": self.res.seq_len,
             "step": self.checkpoint_step(),
             "steps": self.config.steps,
@@ -414,13 +423,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        inputs, targets = batch_tensors(self.data.tokens.train, rows)
+        batch = self.objective.batch(rows)
         read = time.monotonic()
         self.pace.data_s = read - began  # this worker's pace, by part: reading the batch ...
-        parts = self._loss(self.wrapped, inputs, targets)
+        parts = self.objective.loss(self.wrapped, batch)
         loss = self.drills.on_loss(parts["loss"], step=self.step, attempt=self.attempt)
+        n_tokens = self.objective.n_tokens(batch)
         attempt = Attempt(
-            rows=rows, tries=tries, began=began, read=read, inputs=inputs, parts=parts, loss=loss, lr=lr, alpha=alpha
+            rows=rows,
+            tries=tries,
+            began=began,
+            read=read,
+            n_tokens=n_tokens,
+            parts=parts,
+            loss=loss,
+            lr=lr,
+            alpha=alpha,
         )
         attempt.loss_value, attempt.paces = self._agreed_loss(float(loss.detach()))
         return attempt
@@ -472,7 +490,7 @@ class Trainer:
         self.step += 1
         self.attempt += 1
         # A synchronous step consumed every worker's batch; a local step only this worker's.
-        n_tokens = a.inputs.numel() * (self.workers.world if self._synchronous() else 1)
+        n_tokens = a.n_tokens * (self.workers.world if self._synchronous() else 1)
         self.tokens += n_tokens
         record = step_record(
             a,
@@ -527,11 +545,12 @@ class Trainer:
         return alpha, lr * self.guard.lr_scale
 
     def _eval(self) -> float | None:
-        data = self.data.tokens.eval
-        if len(data) == 0 or not self.workers.is_main:  # workers hold the same model here: rank 0 evaluates
+        if not self.workers.is_main:  # workers hold the same model here: rank 0 evaluates
             return None
-        forward = functools.partial(self._loss, self.model)
-        value = eval_loss(self.model, data, forward, batch_size=self.res.batch_size, batches=self.config.eval_batches)
+        batches = self.objective.eval_batches(self.res.batch_size, self.config.eval_batches)
+        value = eval_loss(self.model, batches, functools.partial(self.objective.loss, self.model))
+        if value is None:
+            return None
         self._emit({"event": "eval", "step": self.checkpoint_step(), "eval_loss": round(value, 6)})
         return value
 

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from tests.flood.conftest import text_ckpt, tiny_ckpt  # noqa: F401  (checkpoint fixtures shared with flood tests)
+from tests.train.post.conftest import chat_ckpt  # noqa: F401  (the fine-tuning tests' checkpoint)
 
 
 @pytest.fixture(scope="session")

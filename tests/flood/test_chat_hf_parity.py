@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer
 from lingctl.flood.weights.model_dir import ModelDir
+from lingctl.model.chat_template import RenderError, TemplateLimits, TemplateRenderer
 from lingctl.model.checkpoint import load_config
 from tests.conftest import run_lingctl
 

@@ -13,7 +13,7 @@ import pytest
 from lingctl.core.errors import LingctlError, NotFoundError, UsageError
 from lingctl.flood.batch.run import FloodOptions, run_batch
 from lingctl.flood.engine.options import EngineOptions
-from lingctl.flood.text.chat_template import TemplateLimits
+from lingctl.model.chat_template import TemplateLimits
 from tests.flood.conftest import CHAT_TEMPLATE
 
 LIMITS = TemplateLimits(timeout_s=0.5, grace_s=1.0)

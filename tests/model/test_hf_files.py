@@ -149,8 +149,8 @@ def test_transformers_tokenizer_loads_eos_pad_and_ling_chat(sharded: tuple[Path,
     done = tok.apply_chat_template(MESSAGES + [{"role": "assistant", "content": "A model."}], tokenize=False)
     assert done.endswith("<role>ASSISTANT</role>A model.<|endoftext|>")
     # flood renders the checkpoint's template to the same text, with the same special tokens.
-    from lingctl.flood.text.chat_template import TemplateRenderer
     from lingctl.flood.weights.model_dir import ModelDir
+    from lingctl.model.chat_template import TemplateRenderer
 
     model_dir = ModelDir.open(path)
     with TemplateRenderer(model_dir.chat_template() or "") as renderer:

@@ -36,10 +36,10 @@ from lingctl.flood.engine.options import EngineOptions
 from lingctl.flood.engine.plan import MemoryPlan, check_weights_fit
 from lingctl.flood.engine.prefix import plan_prefixes
 from lingctl.flood.engine.session import EngineSession, Progress, StopRequested, plan_requests
-from lingctl.flood.text.chat_template import TemplateLimits
 from lingctl.flood.text.tokens import PromptError, TextCodec
 from lingctl.flood.weights.model_dir import ModelDir
 from lingctl.flood.weights.remote_model import flood_model_dir
+from lingctl.model.chat_template import TemplateLimits
 from lingctl.model.checkpoint import parse_dtype
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from lingctl.core.errors import LingctlError, UsageError
 from lingctl.flood.eval.lm_eval_config import TaskSpec, read_spec
 from lingctl.flood.eval.lm_eval_data import data_files, fill_columns, read_rows
 from lingctl.flood.eval.tasks import CHOICE, EvalItem, Task, check_unicode, parse_item
-from lingctl.flood.text.chat_template import RenderError, TextTemplates, check_text_syntax
+from lingctl.model.chat_template import RenderError, TextTemplates, check_text_syntax
 
 
 def read_yaml_task(path: Path, num_fewshot: int | None) -> Task:

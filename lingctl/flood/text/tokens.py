@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.flood.batch.requests import Request
-from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer, check_syntax
+from lingctl.model.chat_template import RenderError, TemplateLimits, TemplateRenderer, check_syntax
 from lingctl.model.checkpoint_files import TOKENIZER
 
 

@@ -11,7 +11,6 @@ Reads lingctl checkpoints and Ling checkpoints in the Hugging Face layout (``con
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +22,11 @@ from lingctl.core.errors import LingctlError, NotFoundError
 from lingctl.flood.weights.converted import ConvertedForm
 from lingctl.flood.weights.loader import LoadStats, load_streaming
 from lingctl.model.checkpoint import load_config, weight_files
-from lingctl.model.checkpoint_files import (
-    CHAT_TEMPLATE,
-    CONFIG,
-    GENERATION_CONFIG,
-    SPECIAL_TOKENS_MAP,
-    TOKENIZER,
-    TOKENIZER_CONFIG,
-)
+from lingctl.model.checkpoint_files import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
 from lingctl.model.config import LingConfig
 from lingctl.model.ling import LingForCausalLM
 from lingctl.model.safetensors_io import read_entries
+from lingctl.model.tokenizer_files import chat_template, read_side_file, special_tokens
 
 log = logging.getLogger(__name__)
 
@@ -64,46 +57,21 @@ class ModelDir:
 
     # -- side files -------------------------------------------------------------------------------
     def _json(self, name: str) -> dict[str, Any]:
-        p = self.path / name
-        if not p.exists():
-            return {}
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise LingctlError(f"{p}: not valid JSON ({exc})") from None
-        return data if isinstance(data, dict) else {}
+        return read_side_file(self.path / name)
 
     def tokenizer_config(self) -> dict[str, Any]:
         return self._json(TOKENIZER_CONFIG)
 
     def special_tokens(self) -> dict[str, str]:
-        """The tokenizer's named special tokens as strings, as transformers' ``special_tokens_map`` has them and
-        passes them to chat templates: every ``*_token`` entry of ``tokenizer_config.json`` (``bos_token``,
-        ``eos_token``, ``pad_token``, ... and model-specific ones such as ``image_token``) and of an
-        ``extra_special_tokens`` object, each a string or an AddedToken object (its ``content``).
-        ``special_tokens_map.json`` is the older place for them: transformers reads it only when the config has
-        no ``added_tokens_decoder``, and then its entries win. Lists (``additional_special_tokens``) are not
-        named tokens, and templates do not get them."""
-        config = self.tokenizer_config()
-        tokens = _named_tokens(config)
-        if "added_tokens_decoder" not in config:
-            tokens.update(_named_tokens(self._json(SPECIAL_TOKENS_MAP)))
-        return {name: text for name, text in tokens.items() if text is not None}
+        """The tokenizer's named special tokens (``tokenizer_files.special_tokens``)."""
+        return special_tokens(self.path)
 
     def has_tokenizer(self) -> bool:
         return (self.path / TOKENIZER).exists()
 
     def chat_template(self) -> str | None:
-        """``chat_template.jinja`` beside the weights, else ``tokenizer_config.json``'s ``chat_template``
-        (a string, or a list of named templates of which "default" is taken), as transformers does."""
-        f = self.path / CHAT_TEMPLATE
-        if f.exists():
-            return f.read_text()
-        t = self.tokenizer_config().get("chat_template")
-        if isinstance(t, list):
-            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-            t = named.get("default")
-        return t if isinstance(t, str) else None
+        """The checkpoint's chat template (``tokenizer_files.chat_template``)."""
+        return chat_template(self.path)
 
     def eos_ids(self) -> set[int]:
         """Stop ids: the config's eos and ``generation_config.json``'s (an int or a list)."""
@@ -166,19 +134,3 @@ class ModelDir:
             stats.seconds,
         )
         return model, stats
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):  # an AddedToken, serialised
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _named_tokens(side_file: dict[str, Any]) -> dict[str, str | None]:
-    """``{name: text}`` for the named special tokens in a tokenizer_config.json or special_tokens_map.json;
-    None for a name set to null, which unsets it when this file takes precedence."""
-    entries = [(name, value) for name, value in side_file.items() if name.endswith("_token")]
-    extra = side_file.get("extra_special_tokens")  # a list holds unnamed tokens; an object, named ones
-    if isinstance(extra, dict):
-        entries += extra.items()
-    return {name: _token_text(value) for name, value in entries if value is None or _token_text(value) is not None}

@@ -6,7 +6,7 @@ Jinja's sandbox keeps it away from Python objects it must not touch, but it has 
 nested ``{% for %}`` loops run for hours, and ``{% set s = s ~ s %}`` in a loop doubles a string until memory
 runs out. Hooks on calls and attribute reads cannot count a loop whose body has neither, so the limits
 are enforced from outside the template, in one long-lived worker process (``python -m
-lingctl.flood.text.chat_template``), per request:
+lingctl.model.chat_template``), per request:
 
 - time: an interval timer in the worker interrupts the render after ``timeout_s``; the parent kills a worker
   that has not answered ``grace_s`` later (C code that never returns to Python) and starts a fresh one;
@@ -87,7 +87,7 @@ def _limited_class(max_chars: int) -> Any:
 
 def _environment(max_chars: int) -> Any:
     """The environment transformers renders chat templates in (``chat_environment``), limited."""
-    from lingctl.flood.text.chat_environment import chat_environment
+    from lingctl.model.chat_environment import chat_environment
 
     return chat_environment(_limited_class(max_chars), optimized=False)
 
@@ -164,7 +164,7 @@ class _WorkerClient:
     def _worker(self) -> subprocess.Popen[bytes]:
         if self._proc is not None:
             return self._proc
-        cmd = [sys.executable, "-m", "lingctl.flood.text.chat_template"]
+        cmd = [sys.executable, "-m", "lingctl.model.chat_template"]
         # Its stderr only shows with LINGCTL_DEBUG: a template's errors are reported per request instead.
         stderr = None if os.environ.get("LINGCTL_DEBUG", "") not in ("", "0") else subprocess.DEVNULL
         try:
@@ -288,7 +288,7 @@ class TemplateRenderer(_WorkerClient):
         ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and ``special_tokens`` (``bos_token``,
         ``eos_token``, ...: ``ModelDir.special_tokens``). ``RenderError`` when this request's render fails or
         passes a limit; ``LingctlError`` when the worker cannot be started at all."""
-        from lingctl.flood.text.chat_environment import template_messages
+        from lingctl.model.chat_environment import template_messages
 
         # Special tokens first: as in transformers, a variable of the same name wins over a token.
         variables = {

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from lingctl.core.errors import LingctlError
-from lingctl.flood.text.chat_template import RenderError, TemplateLimits, TemplateRenderer, TextTemplates
+from lingctl.model.chat_template import RenderError, TemplateLimits, TemplateRenderer, TextTemplates
 from tests.flood.conftest import CHAT_TEMPLATE
 
 LIMITS = TemplateLimits(timeout_s=0.5, grace_s=1.0, max_chars=100_000, memory_bytes=256 << 20)
