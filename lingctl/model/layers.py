@@ -6,6 +6,8 @@ Module and parameter names match Hugging Face ``BailingMoe*`` so state dicts loa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,15 @@ def apply_rope(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Te
     return x_BHSDh * cos + rotate_half(x_BHSDh) * sin
 
 
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Packed rows: each row is a run of blocks (examples) that attend causally within themselves only.
+    ``spans[b]``: the ``(start, end)`` of row b's blocks, in order, covering the row. Attention is computed block
+    by block, so a row of many short examples costs the sum of their squared lengths, not the row's."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+
 class Attention(nn.Module):
     """Causal GQA attention with Ling's fused projection, laid out [all Q heads | all K heads | all V heads]."""
 
@@ -88,6 +99,7 @@ class Attention(nn.Module):
         *,
         causal: bool = True,
         mask: torch.Tensor | None = None,
+        blocks: Blocks | None = None,
     ) -> torch.Tensor:
         """Attention output projected to [B, S, D]. Query head h uses KV head h // (H / K), hence
         repeat_interleave (each KV head repeated for its consecutive group of query heads)."""
@@ -96,15 +108,30 @@ class Attention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         # SDPA's default scale is 1/sqrt(q.shape[-1]) = 1/sqrt(head_dim), as Ling uses.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+        if blocks is not None:
+            out = _blockwise(q, k, v, blocks)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
         b, _, s, _ = out.shape
         return self.dense(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
-    def forward(
-        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, mask_B1SS: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
         q, k, v = self.project(x_BSD, positions_BS)
-        return self.attend(q, k, v, mask=mask_B1SS)
+        return self.attend(q, k, v, blocks=blocks)
+
+
+def _blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Causal attention inside each block of each row ([B,H,S,Dh] in and out)."""
+    rows = []
+    for b, spans in enumerate(blocks.spans):
+        parts = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], is_causal=True
+            )
+            for s, e in spans
+        ]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
 class MLP(nn.Module):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingctl.model.config import LingConfig
-from lingctl.model.layers import MLP, Attention, RMSNorm
+from lingctl.model.layers import MLP, Attention, Blocks, RMSNorm
 from lingctl.model.moe import Dispatch, Router, RouterOutput, SparseMoeBlock
 
 NORM_HEAD_EPS = 1e-7
@@ -37,9 +37,9 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, mask_B1SS: torch.Tensor | None = None
+        self, x_BSD: torch.Tensor, positions_BS: torch.Tensor, blocks: Blocks | None = None
     ) -> tuple[torch.Tensor, RouterOutput | None]:
-        h = x_BSD + self.attention(self.input_layernorm(x_BSD), positions_BS, mask_B1SS)
+        h = x_BSD + self.attention(self.input_layernorm(x_BSD), positions_BS, blocks)
         return self.mlp_residual(h)
 
     def mlp_residual(self, h_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
@@ -120,17 +120,17 @@ class LingForCausalLM(nn.Module):
         self,
         input_ids_BS: torch.Tensor,
         positions_BS: torch.Tensor | None = None,
-        mask_B1SS: torch.Tensor | None = None,
+        blocks: Blocks | None = None,
     ) -> tuple[torch.Tensor, list[RouterOutput]]:
-        """``mask_B1SS``: which keys each query may attend to (True: may), in place of the causal mask; packed
-        fine-tuning rows pass a block-diagonal causal one, with ``positions_BS`` restarting per example."""
+        """``blocks``: packed rows whose examples attend only within themselves (fine-tuning), with
+        ``positions_BS`` restarting per example; None: each row is one causal sequence."""
         if positions_BS is None:
             s = input_ids_BS.shape[1]
             positions_BS = torch.arange(s, device=input_ids_BS.device).expand_as(input_ids_BS)
         x = self.model.word_embeddings(input_ids_BS)
         routes: list[RouterOutput] = []
         for layer in self.model.layers:
-            x, route = layer(x, positions_BS, mask_B1SS)
+            x, route = layer(x, positions_BS, blocks)
             if route is not None:
                 routes.append(route)
         return self.model.norm(x), routes
@@ -139,12 +139,12 @@ class LingForCausalLM(nn.Module):
         self,
         input_ids_BS: torch.Tensor,
         positions_BS: torch.Tensor | None = None,
-        mask_B1SS: torch.Tensor | None = None,
+        blocks: Blocks | None = None,
         logits_at_N: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """``logits_at_N``: flat token indices (into B*S) to compute logits at, [N, vocab]; fine-tuning takes
         its loss on answer tokens only, and the head is the largest matrix product of a small model."""
-        hidden, routes = self.hidden_states(input_ids_BS, positions_BS, mask_B1SS)
+        hidden, routes = self.hidden_states(input_ids_BS, positions_BS, blocks)
         if logits_at_N is not None:
             hidden = hidden.reshape(-1, hidden.shape[-1])[logits_at_N]
         return CausalLMOutput(self.logits(hidden), routes)

@@ -1,9 +1,11 @@
-"""A batch of packed rows as tensors: ids, positions from 0 per block, a block-diagonal causal attention
-mask, the targets the loss is taken on, and which block (example, or side of a pair) each token belongs to.
+"""A batch of packed rows as tensors: ids, positions from 0 per block, the blocks attention stays inside, the
+targets the loss is taken on, and which block (example, or side of a pair) each token belongs to.
 
 Rows of a batch may differ in length (a curriculum's stage boundary, the last rows of a stage): shorter rows
 are padded at the end. Padding is a block of its own that nothing attends to and no loss, auxiliary loss or
-expert statistic counts.
+expert statistic counts. Attention is computed block by block (``model.layers.Blocks``): a row of many short
+examples costs the sum of their squared lengths, where a block-diagonal mask over the whole row would cost the
+square of the row's length.
 
 Shape legend: B rows, L tokens per row (the longest row of the batch), S blocks in the batch.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lingctl.model.layers import Blocks
 from lingctl.train.post.packing import PackedRows
 
 IGNORE = -100
@@ -24,7 +27,7 @@ IGNORE = -100
 class PackedBatch:
     input_ids_BL: torch.Tensor  # int64
     positions_BL: torch.Tensor  # int64
-    mask_B1LL: torch.Tensor  # bool: query i may attend to key j
+    blocks: Blocks  # each row's blocks: attention stays inside each (padding is a block of its own)
     targets_BL: torch.Tensor  # int64: the next token of the block where it is a loss target, else IGNORE
     real_BL: torch.Tensor  # bool: not padding
     block_BL: torch.Tensor  # int64: the batch's block number of each token (padding: -1)
@@ -64,13 +67,10 @@ class PackedBatch:
             targets[i, : n - 1] = np.where(trained, nxt, IGNORE)
         block_t = torch.from_numpy(block)
         real = block_t >= 0
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        # Padding tokens attend among themselves (a row with no key at all would be NaN in softmax).
-        same_block = block_t.unsqueeze(2) == block_t.unsqueeze(1)
         return PackedBatch(
             input_ids_BL=torch.from_numpy(ids),
             positions_BL=torch.from_numpy(pos),
-            mask_B1LL=(same_block & causal).unsqueeze(1),
+            blocks=Blocks(tuple(_spans(row) for row in block)),
             targets_BL=torch.from_numpy(targets),
             real_BL=real,
             block_BL=block_t,
@@ -79,3 +79,10 @@ class PackedBatch:
             n_tokens=int(real.sum()),
             split=split,
         )
+
+
+def _spans(block_L: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The runs of equal block numbers in a row (its padding, numbered -1, is the last run)."""
+    cuts = np.flatnonzero(block_L[1:] != block_L[:-1]) + 1
+    bounds = [0, *cuts.tolist(), len(block_L)]
+    return tuple(zip(bounds[:-1], bounds[1:]))

@@ -52,7 +52,7 @@ def token_logps(module: torch.nn.Module, batch: PackedBatch, *, bf16: bool = Fal
     at_N = (targets_T != IGNORE).nonzero().squeeze(1)
     device_type = batch.input_ids_BL.device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-        out = module(batch.input_ids_BL, batch.positions_BL, batch.mask_B1LL, at_N)
+        out = module(batch.input_ids_BL, batch.positions_BL, batch.blocks, at_N)
         logits_NV = out.logits.to(torch.float32)
     logp_N = -F.cross_entropy(logits_NV, targets_T[at_N], reduction="none")
     return TokenLogps(logp_N, batch.block_BL.reshape(-1)[at_N], masked_routes(out.routes, batch.real_BL.reshape(-1)))
