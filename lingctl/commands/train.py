@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from lingctl.commands import train_align, train_plot, train_post, train_status
+from lingctl.commands import train_align, train_plot, train_post, train_status, train_sweep
 from lingctl.commands.train_options import RunOptions, Settings, with_run_options, with_settings
 from lingctl.commands.train_run import execute
 from lingctl.runs.train_config import TrainConfig
@@ -40,6 +40,8 @@ def train(ctx: typer.Context, *, run: RunOptions, settings: Settings) -> None:
 
 app.command("sft")(train_post.sft)
 app.command("dpo")(train_post.dpo)
+app.command("sweep")(train_sweep.sweep)
+app.command("fit")(train_sweep.fit)
 app.command("plot")(train_plot.plot)
 app.command("status")(train_status.status)
 app.command("align")(train_align.align)

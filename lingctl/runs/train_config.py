@@ -348,6 +348,27 @@ class TrainConfig:
         help="End the run (exit 1) after this many skipped steps in a row: it has diverged (default 20).",
         resumable=True,
     )
+    # Learning rate, batch size and steps from a sweep's fitted laws (`lingctl train fit`), for a compute budget.
+    auto_hparams: str | None = setting(
+        None,
+        flag="--auto-hparams",
+        metavar="FIT.json",
+        help="Take --lr, --batch-size and --steps from a sweep's fit.json (lingctl train fit) for --budget; prints "
+        "what it picked and why.",
+    )
+    budget: float | None = setting(
+        None,
+        rule=number(0, above=True),
+        flag="--budget",
+        metavar="FLOPS",
+        help="With --auto-hparams: the compute budget, 6 x active parameters x tokens (without it, --steps sets it).",
+    )
+    force_extrapolation: bool = setting(
+        False,
+        rule=_SWITCH,
+        flag="--force-extrapolation/--no-force-extrapolation",
+        help="With --auto-hparams: use the laws even more than 10x beyond the budgets they were fitted on.",
+    )
     moe: MoeLossConfig = field(default_factory=MoeLossConfig)
     # What the run trains: pre-training on text, or fine-tuning (the `train sft` and `train dpo` subcommands).
     task: str = setting("pretrain", rule=one_of(*TASKS))

@@ -51,7 +51,7 @@ def check_fingerprint(saved: str, current: str) -> None:
         )
 
 
-def _default_files() -> list[Path]:
+def default_files() -> list[Path]:
     # Spread the byte cap across the whole library rather than its alphabetically first packages.
     return sorted(
         default_corpus_files(), key=lambda p: hashlib.sha1(p.name.encode() + str(p.parent.name).encode()).digest()
@@ -68,7 +68,7 @@ def prepare_data(
         files = resolve_sources(d.paths)
         max_bytes = d.max_bytes
     else:
-        files = _default_files()
+        files = default_files()
         max_bytes = d.max_bytes or DEFAULT_CORPUS_BYTES
     documents = list(iter_documents(files, text_field=d.text_field, max_bytes=max_bytes))
     if tokenizer_path is not None:

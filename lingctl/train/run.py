@@ -14,6 +14,7 @@ from lingctl.core.config import build, from_mapping, load_toml, to_dict
 from lingctl.core.errors import LingctlError, UsageError
 from lingctl.core.storage import S3Options
 from lingctl.model.checkpoint_files import TRAIN_CONFIG
+from lingctl.model.config import LingConfig
 from lingctl.model.presets import preset
 from lingctl.runs.layout import METRICS, PLOT, default_run_dir
 from lingctl.runs.records import Record, read_records
@@ -117,6 +118,8 @@ def train(
     if workers.restarts > 0:
         _no_drills(config)
     init = _init_source(config, explicit) if latest is None else None
+    if latest is None and config.auto_hparams:
+        _auto_hparams(config, init, explicit)
     # Refused before the run writes anything (the reporter below makes files): a run that cannot fit dies late
     # otherwise, with the allocator's error and a run directory behind it.
     # (A resumed run that started from a checkpoint has that checkpoint's shape, known once its own is read.)
@@ -153,17 +156,25 @@ def plan_run(*, overrides: Mapping[str, Any], config_file: Path | None = None, w
     ``--init-from`` checkpoint's config) alone: no data is read, nothing is written, no worker starts."""
     explicit = {k: v for k, v in overrides.items() if v is not None}
     config = build(TrainConfig, file=config_file, section="train" if config_file else None, overrides=explicit)
-    return _memory_plan(config, _init_source(config, explicit), workers=workers)
+    init = _init_source(config, explicit)
+    if config.auto_hparams:
+        _auto_hparams(config, init, explicit)
+    return _memory_plan(config, init, workers=workers)
+
+
+def _shape(config: TrainConfig, init: InitSource | None) -> LingConfig:
+    """The model shape a new run will have, before its data is read: the checkpoint's, or the preset's."""
+    r = resolve(config)
+    if init is not None:  # the checkpoint's shape (its own tokenizer; the run checks the rest itself later)
+        return init.config
+    return model_config(
+        config, vocab_size=r.vocab_size or preset(config.preset).vocab_size, eos_id=0, seq_len=r.seq_len
+    )
 
 
 def _memory_plan(config: TrainConfig, init: InitSource | None, *, workers: int) -> TrainMemoryPlan:
     r = resolve(config)
-    if init is not None:  # the checkpoint's shape (its own tokenizer; the run checks the rest itself later)
-        shape = init.config
-    else:
-        shape = model_config(
-            config, vocab_size=r.vocab_size or preset(config.preset).vocab_size, eos_id=0, seq_len=r.seq_len
-        )
+    shape = _shape(config, init)
     return plan_training(shape, batch_size=r.batch_size, seq_len=r.seq_len, dtype=config.dtype, workers=workers)
 
 
@@ -203,6 +214,28 @@ def _init_source(config: TrainConfig, explicit: Mapping[str, Any]) -> InitSource
         # Its routing is already trained: random routing at the start would only disturb it.
         config.moe.routing_warmup_steps = 0
     return init
+
+
+def _auto_hparams(config: TrainConfig, init: InitSource | None, explicit: Mapping[str, Any]) -> None:
+    """Learning rate, batch size and steps from a sweep's fit (a new run only: a resume keeps what it saved)."""
+    from lingctl.train.sweep.auto import pick
+
+    for name in ("optim.lr", "batch_size"):
+        if name in explicit:
+            raise UsageError(f"--auto-hparams sets {name}; drop it, or drop --auto-hparams")
+    shape = _shape(config, init)
+    steps = config.steps if "steps" in explicit and config.budget is None else None
+    p = pick(
+        Path(str(config.auto_hparams)),
+        shape,
+        resolve(config).seq_len,
+        budget=config.budget,
+        steps=steps,
+        force=config.force_extrapolation,
+    )
+    for line in p.lines:
+        log.warning("%s", line)
+    config.optim.lr, config.batch_size, config.steps = p.lr, p.batch_size, p.steps
 
 
 def _reporter(config: TrainConfig, run: RunDir) -> report.Reporter | None:
