@@ -17,7 +17,7 @@ ScheduleOpt = Annotated[
         "--seq-len-schedule",
         metavar="LEN[,LEN@FRACTION...]",
         help="Length curriculum, e.g. 4096,16384@0.05: first the examples that fit 4,096 tokens, then rows of "
-        "16,384 where longer examples are 5% of the tokens (default: one stage of --seq-len).",
+        "16,384 where the longer examples are 5% of the examples (default: one stage of --seq-len).",
     ),
 ]
 

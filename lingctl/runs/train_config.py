@@ -133,7 +133,7 @@ class Stage:
     """A stage of the length curriculum: rows of ``seq_len`` tokens."""
 
     seq_len: int
-    long_fraction: float | None  # the share of the stage's tokens from its own (longer) examples; None: all
+    long_fraction: float | None  # the share of the stage's examples that are its own (longer) ones; None: all
 
 
 def parse_schedule(text: str | None, seq_len: int) -> list[Stage]:

@@ -8,7 +8,7 @@ answers in one row, each in its own block, so a batch always holds both sides of
 
 The curriculum (``--seq-len-schedule 4096,16384@0.05``, Ling's long-context fine-tuning): the first stage
 trains on the examples that fit 4,096 tokens, in rows of 4,096; the next on rows of 16,384 holding the
-examples of 4,097-16,384 tokens mixed with short ones so that the long ones are 5% of its tokens. The stages
+examples of 4,097-16,384 tokens mixed with short ones at 95:5 short to long, in examples. The stages
 run in order, each shuffled on its own, every epoch.
 """
 
@@ -78,8 +78,9 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def _stage_units(lengths: list[int], stages: list[Stage], seed: int) -> list[list[int]]:
-    """Per stage, the units it trains on (indices): the first stage its short units, a later one its own long
-    units plus short ones (from earlier stages, a seeded draw) up to the stage's token fraction."""
+    """Per stage, the units it trains on (indices): the first stage its short units; a later one its own long
+    units plus short ones (from earlier stages, a seeded draw) so that the long ones are the stage's fraction of
+    its examples (Ling's 95:5 short-to-long sample ratio)."""
     out: list[list[int]] = []
     bound = 0
     short: list[int] = []
@@ -88,15 +89,9 @@ def _stage_units(lengths: list[int], stages: list[Stage], seed: int) -> list[lis
         if stage.long_fraction is None or not own or not short:
             chosen = own
         else:
-            want = sum(lengths[i] for i in own) * (1 - stage.long_fraction) / stage.long_fraction
+            want = round(len(own) * (1 - stage.long_fraction) / stage.long_fraction)
             draw = np.random.default_rng([seed, s]).permutation(len(short))
-            mix, tokens, k = [], 0, 0
-            while tokens < want:
-                unit = short[draw[k % len(short)]]
-                mix.append(unit)
-                tokens += lengths[unit]
-                k += 1
-            chosen = own + mix
+            chosen = own + [short[draw[k % len(short)]] for k in range(want)]
         out.append(chosen)
         short += own
         bound = stage.seq_len

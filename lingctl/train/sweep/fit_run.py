@@ -1,4 +1,4 @@
-"""``lingctl train fit SWEEP``: the sweep's finished points fitted (``fit.py``), written as ``SWEEP/fit.json``
+"""``lingctl train fit SWEEP``: the sweep's finished points fitted (``laws.py``), written as ``SWEEP/fit.json``
 with the plots beside it (``SWEEP/fit/*.png``), and the table the command prints."""
 
 from __future__ import annotations

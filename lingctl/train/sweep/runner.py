@@ -86,7 +86,7 @@ def read_results(directory: Path) -> list[dict[str, Any]]:
 
 
 def point_results(records: list[dict[str, Any]]) -> list[Any]:
-    """The records as ``fit.PointResult`` (an unfinished eval counts as NaN, which the fit leaves out)."""
+    """The records as ``laws.PointResult`` (an unfinished eval counts as NaN, which the fit leaves out)."""
     from lingctl.train.sweep.laws import PointResult
 
     return [

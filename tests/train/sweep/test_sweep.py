@@ -24,7 +24,7 @@ SPEC = """
 preset = "tiny"
 families = ["moe"]
 budgets = [2e9]
-lrs = [1e-3, 3e-3, 1e-2]
+lrs = [1e-3, 1e-2]
 batch_sizes = [4]
 seq_len = 32
 vocab_size = 300
@@ -57,7 +57,7 @@ def test_a_killed_sweep_continues_without_running_finished_points(tmp_path: Path
     spec.write_text(SPEC.format(data=text_corpus))
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "lingctl", "train", "sweep", str(spec), "--out", str(out), "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: len(read_results(out)) >= 1)
     finally:
@@ -71,7 +71,7 @@ def test_a_killed_sweep_continues_without_running_finished_points(tmp_path: Path
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.splitlines()[-1])
-    assert summary["finished_before"] == len(first) and summary["ran"] == 3 - len(first)
+    assert summary["finished_before"] == len(first) and summary["ran"] == 2 - len(first)
     records = read_results(out)
     assert sorted(r["id"] for r in records) == sorted(p.id for p in points(_spec(spec)))
     assert metrics.stat().st_mtime_ns == stamp  # the finished point was not run again
