@@ -25,7 +25,7 @@ FORMAT = "lingctl-sweep-fit"
 @dataclass(kw_only=True, slots=True)
 class PointResult:
     family: str  # "moe" or "dense"
-    compute: float  # FLOPs, 6 x active parameters x tokens as run
+    compute: float  # FLOPs: the point's budget (6 x active parameters x tokens, within 5%)
     lr: float
     batch_size: int  # sequences per step
     tokens: int
@@ -103,10 +103,10 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> PowerLaw:
 
 
 def _budgets(points: list[PointResult], tolerance: float) -> list[dict[str, Any]]:
-    """Per budget (the points' own compute, grouped to 1%): the best run and the near-optimal ones."""
+    """Per budget (computes within 5% of each other are one budget): the best run and the near-optimal ones."""
     groups: dict[float, list[PointResult]] = {}
     for p in sorted(points, key=lambda p: p.compute):
-        key = next((k for k in groups if abs(p.compute - k) <= 0.01 * k), p.compute)
+        key = next((k for k in groups if abs(p.compute - k) <= 0.05 * k), p.compute)
         groups.setdefault(key, []).append(p)
     out = []
     for members in groups.values():

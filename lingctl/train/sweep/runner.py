@@ -86,12 +86,13 @@ def read_results(directory: Path) -> list[dict[str, Any]]:
 
 
 def point_results(records: list[dict[str, Any]]) -> list[Any]:
-    """The records as ``laws.PointResult`` (an unfinished eval counts as NaN, which the fit leaves out)."""
+    """The records as ``laws.PointResult``: at their budget (whole steps put a run's own compute within 5% of
+    it, and sizes differ in that), an eval that never came as NaN, which the fit leaves out."""
     from lingctl.train.sweep.laws import PointResult
 
     return [
         PointResult(
-            family=r["family"], compute=r["compute"], lr=r["lr"], batch_size=r["batch_size"], tokens=r["tokens"],
+            family=r["family"], compute=r["budget"], lr=r["lr"], batch_size=r["batch_size"], tokens=r["tokens"],
             active_parameters=r["active_parameters"], loss=r["eval_loss"] if r["eval_loss"] is not None else math.nan,
         )
         for r in records

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class SweepSpec:
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step
     seq_len: int = 64
     model: dict[str, Any] = field(default_factory=dict)  # changes to the preset's shape, config.json names
+    # Model sizes per budget: further changes on top of `model`, e.g. [{hidden_size = 48}, {hidden_size = 96,
+    # num_hidden_layers = 3}]; each budget trains every size (fewer tokens for the larger ones).
+    sizes: list[dict[str, Any]] = field(default_factory=lambda: [{}])
     data: list[str] = field(default_factory=list)  # --data of every point; empty: the built-in corpus
     max_bytes: int | None = None  # caps the data read (data.max_bytes)
     vocab_size: int = 1024  # the sweep's one tokenizer
@@ -57,6 +61,7 @@ class SweepSpec:
         need(len(self.lrs) >= 1 and all(0 < x < 1 for x in self.lrs), "lrs in (0, 1)")
         need(len(self.batch_sizes) >= 1 and all(b >= 1 for b in self.batch_sizes), "batch_sizes >= 1")
         need(self.seq_len >= 2 and self.parallel >= 1 and 0 <= self.warmup_fraction < 1, "seq_len, parallel")
+        need(len(self.sizes) >= 1 and all(isinstance(x, dict) for x in self.sizes), "sizes: a list of tables")
 
     def digest(self) -> str:
         """Identifies the experiment: a sweep directory holds the results of one spec only."""
@@ -88,9 +93,10 @@ def read_spec(table: dict[str, Any], where: str) -> SweepSpec:
     return spec
 
 
-def family_model(spec: SweepSpec, family: str) -> dict[str, Any]:
-    """The model changes of a family: ``dense`` turns every MoE layer into a dense MLP of the active width."""
-    changes = dict(spec.model)
+def family_model(spec: SweepSpec, family: str, size: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model changes of a family at a size: ``dense`` makes every layer a dense MLP of one width that keeps
+    the active parameters of the MoE shape."""
+    changes = {**spec.model, **(size or {})}
     if family == "dense":
         shape = shape_of(spec, changes)
         active = (shape.num_experts_per_tok + shape.num_shared_experts) * shape.moe_intermediate_size
@@ -126,16 +132,17 @@ def attention_share(shape: LingConfig, seq_len: int) -> float:
 def points(spec: SweepSpec) -> list[Point]:
     """Every (family, budget, lr, batch size) of the spec with at least MIN_STEPS steps, in a fixed order."""
     out = []
-    for family in spec.families:
-        changes = family_model(spec, family)
+    for family, (k, size) in itertools.product(spec.families, enumerate(spec.sizes)):
+        changes = family_model(spec, family, size)
         n = active_parameters(shape_of(spec, changes))
+        tag = f"-s{k}" if len(spec.sizes) > 1 else ""
         for budget in spec.budgets:
             for batch in spec.batch_sizes:
                 steps = round(budget / (6 * n * batch * spec.seq_len))
                 if steps < MIN_STEPS:
                     continue
                 for lr in spec.lrs:
-                    pid = f"{family}-c{budget:.2e}-lr{lr:.2e}-b{batch}".replace("+", "")
+                    pid = f"{family}{tag}-c{budget:.2e}-lr{lr:.2e}-b{batch}".replace("+", "")
                     out.append(
                         Point(
                             id=pid, family=family, budget=budget, lr=lr, batch_size=batch, steps=steps, seq_len=spec.seq_len,

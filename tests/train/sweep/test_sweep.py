@@ -52,6 +52,14 @@ def test_points_follow_the_budget() -> None:
     assert len(moe) == len(dense) == 1 and abs(moe.pop() - dense.pop()) / 1e5 < 0.05  # equal active size
 
 
+def test_every_budget_trains_every_size_with_its_own_steps() -> None:
+    spec = SweepSpec(budgets=[1e10], lrs=[1e-3], batch_sizes=[4], seq_len=32, sizes=[{"hidden_size": 48}, {}])
+    small, large = points(spec)
+    assert small.id.startswith("moe-s0-") and large.id.startswith("moe-s1-")
+    assert small.active_parameters < large.active_parameters and small.steps > large.steps
+    assert small.compute == pytest.approx(large.compute, rel=0.05)
+
+
 def test_a_killed_sweep_continues_without_running_finished_points(tmp_path: Path, text_corpus: Path) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(data=text_corpus))
