@@ -323,7 +323,7 @@ def side_lingctl_exact(work: Path, s: Settings) -> dict[str, Any]:
     """lingctl's per-example SFT losses and per-pair DPO log-probabilities and losses (packed)."""
     from lingctl.model.checkpoint import load_checkpoint
     from lingctl.train.post.examples import read_examples
-    from lingctl.train.post.objective import example_logps
+    from lingctl.train.post.logps import example_logps
 
     torch.set_num_threads(s.threads)
     sft = read_examples(work / "sft.jsonl", work / "base", kind="sft")[: s.exact_n]

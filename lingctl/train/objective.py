@@ -22,6 +22,8 @@ from lingctl.train.data import BatchOrder, Order, TokenData, batch_tensors
 from lingctl.train.dataset import PreparedData
 from lingctl.train.post.dataset import PostData
 from lingctl.train.post.objective import Finetuning
+from lingctl.train.rundir import RunDir
+from lingctl.train.workers import Workers
 
 
 class Objective(Protocol):
@@ -31,6 +33,9 @@ class Objective(Protocol):
     def n_rows(self) -> int: ...
 
     def order(self, seed: int) -> Order: ...
+
+    def start(self, model: torch.nn.Module, run: RunDir, workers: Workers, *, fingerprint: str, resume: bool) -> None:
+        """Before the first step of this process (a DPO run's reference)."""
 
     def batch(self, rows: list[int]) -> Any: ...
 
@@ -64,6 +69,9 @@ class LanguageModeling:
 
     def order(self, seed: int) -> BatchOrder:
         return BatchOrder(self.n_rows, seed)
+
+    def start(self, model: torch.nn.Module, run: RunDir, workers: Workers, *, fingerprint: str, resume: bool) -> None:
+        pass
 
     def batch(self, rows: list[int]) -> LmBatch:
         return LmBatch(*batch_tensors(self.data.train, rows))

@@ -35,8 +35,6 @@ from lingctl.train.metrics_log import MetricsLog
 from lingctl.train.objective import objective_for
 from lingctl.train.position import DataPosition
 from lingctl.train.post.dataset import PostData
-from lingctl.train.post.objective import Finetuning
-from lingctl.train.post.reference import attach_reference
 from lingctl.train.recovery import At, Divergence, Recovery
 from lingctl.train.resolved import resolve
 from lingctl.train.rundir import RunDir
@@ -160,17 +158,9 @@ class Trainer:
         # evaluates alone, and a DDP forward may start a collective).
         self.objective = objective_for(c, self.data, self.model)
         self.order = self.objective.order(c.seed)
-        if isinstance(self.objective, Finetuning) and self.objective.kind == "dpo":
-            # From the starting weights, before any step; a resume reads what the new run computed.
-            attach_reference(
-                self.objective,
-                self.model,
-                self.run,
-                self.workers,
-                fingerprint=self.data.fingerprint,
-                resume=latest is not None,
-                bf16=c.dtype == "bfloat16",
-            )
+        self.objective.start(
+            self.model, self.run, self.workers, fingerprint=self.data.fingerprint, resume=latest is not None
+        )
         self.checkpoints = CheckpointManager(
             run=self.run, workers=self.workers, config=c, model=self.model, optimizer=self.optimizer, owner=self
         )

@@ -19,7 +19,7 @@ import torch
 from lingctl.core.atomic import atomic_write
 from lingctl.core.errors import LingctlError, VerificationError
 from lingctl.runs.layout import REFERENCE
-from lingctl.train.post.objective import Finetuning, item_logps
+from lingctl.train.post.logps import item_logps
 from lingctl.train.post.packing import PackedRows
 from lingctl.train.rundir import RunDir
 from lingctl.train.workers import Workers
@@ -27,12 +27,9 @@ from lingctl.train.workers import Workers
 log = logging.getLogger(__name__)
 
 
-def _shard(rows: PackedRows, workers: Workers, model: torch.nn.Module, bf16: bool) -> np.ndarray:
-    """This worker's rows' log-probabilities (every item of the split; 0 for the others' items), summed over
-    the workers."""
-    out = np.zeros((rows.n_items, 2), dtype=np.float64)
-    for r in range(workers.rank, len(rows), workers.world):
-        out += item_logps(model, _one_row(rows, r), bf16=bf16)
+def _computed(rows: PackedRows, workers: Workers, model: torch.nn.Module, bf16: bool) -> np.ndarray:
+    """Every item's log-probabilities: each worker computes its share of the rows, the sum goes to all."""
+    out = item_logps(model, rows, indices=range(workers.rank, len(rows), workers.world), bf16=bf16)
     if workers.distributed:
         import torch.distributed as dist
 
@@ -42,26 +39,8 @@ def _shard(rows: PackedRows, workers: Workers, model: torch.nn.Module, bf16: boo
     return out
 
 
-def _one_row(rows: PackedRows, r: int) -> PackedRows:
-    """Row ``r`` alone (its items keep their indices)."""
-    s, e = int(rows.row_starts[r]), int(rows.row_starts[r + 1])
-    a, b = int(rows.seg_starts[r]), int(rows.seg_starts[r + 1])
-    return PackedRows(
-        tokens=rows.tokens[s:e],
-        loss_mask=rows.loss_mask[s:e],
-        positions=rows.positions[s:e],
-        block=rows.block[s:e],
-        row_starts=np.array([0, e - s], dtype=np.int64),
-        seg_starts=np.array([0, b - a], dtype=np.int64),
-        seg_item=rows.seg_item[a:b],
-        seg_side=rows.seg_side[a:b],
-        stage_rows=[1],
-        n_items=rows.n_items,
-    )
-
-
-def attach_reference(
-    objective: Finetuning,
+def reference_logps(
+    splits: dict[str, PackedRows],
     model: torch.nn.Module,
     run: RunDir,
     workers: Workers,
@@ -69,24 +48,19 @@ def attach_reference(
     fingerprint: str,
     resume: bool,
     bf16: bool,
-) -> None:
-    """Set ``objective.reference``: read from the run (``resume``) or computed with ``model`` (the starting
-    weights, before any step) and written there."""
+) -> dict[str, torch.Tensor]:
+    """Per split, every item's (chosen, rejected) summed log-probabilities: read from the run (``resume``), or
+    computed with ``model`` (the starting weights, before any step) and written there."""
     if resume:
-        objective.reference = _read(run, fingerprint)
-        return
+        return _read(run, fingerprint)
     began = time.monotonic()
     was = model.training
     model.eval()
     try:
-        splits = {"train": objective.train}
-        if objective.eval_rows is not None:
-            splits["eval"] = objective.eval_rows
-        computed = {name: _shard(rows, workers, model, bf16) for name, rows in splits.items()}
+        computed = {name: _computed(rows, workers, model, bf16) for name, rows in splits.items()}
     finally:
         model.train(was)
-    log.info("reference log-probabilities of %d pairs in %.1f s", objective.train.n_items, time.monotonic() - began)
-    objective.reference = {name: torch.from_numpy(v) for name, v in computed.items()}
+    log.info("reference log-probabilities of %d pairs in %.1f s", splits["train"].n_items, time.monotonic() - began)
     if workers.is_main:
         run.claim_files([REFERENCE])
         doc = {"fingerprint": fingerprint, **{name: v.tolist() for name, v in computed.items()}}
@@ -94,6 +68,7 @@ def attach_reference(
             f.write(json.dumps(doc).encode())
         run.publish([REFERENCE])
     workers.barrier()
+    return {name: torch.from_numpy(v) for name, v in computed.items()}
 
 
 def _read(run: RunDir, fingerprint: str) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lingctl.core.atomic import atomic_write
-from lingctl.core.errors import LingctlError, UsageError
+from lingctl.core.errors import LingctlError, UsageError, VerificationError
 from lingctl.train.sweep.spec import Point, SweepSpec, attention_share, points, shape_of
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,17 @@ class SweepResult:
 def open_sweep(directory: Path, spec: SweepSpec) -> None:
     """Create the sweep directory (or check that it holds this spec); refuse a directory of other files."""
     spec_file = directory / SPEC_FILE
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--out {directory} is a file", hint="give a new or empty directory, or this spec's sweep")
     if spec_file.exists():
-        saved = json.loads(spec_file.read_text())
+        try:
+            saved = json.loads(spec_file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            saved = None
+        if not isinstance(saved, dict):
+            raise VerificationError(
+                f"{spec_file} is damaged: not the JSON lingctl writes", hint="restore it, or start another sweep"
+            )
         if saved.get("digest") != spec.digest():
             raise UsageError(
                 f"{directory} holds a sweep of another spec",
@@ -66,9 +75,12 @@ def open_sweep(directory: Path, spec: SweepSpec) -> None:
         f.write(json.dumps({"digest": spec.digest(), "spec": dataclasses.asdict(spec)}, indent=1).encode())
 
 
+_FIELDS = frozenset({"id", "family", "budget", "lr", "batch_size", "tokens", "active_parameters", "eval_loss"})
+
+
 def read_results(directory: Path) -> list[dict[str, Any]]:
-    """The finished points' records, from every shard's results file (a line cut short by a kill is ignored:
-    that point runs again)."""
+    """The finished points' records, from every shard's results file (a line cut short by a kill, or one
+    without the fields a record has, is ignored: that point runs again)."""
     lines: list[str] = []
     for path in sorted(directory.glob("results*.jsonl")):
         lines += path.read_text().splitlines()
@@ -79,7 +91,7 @@ def read_results(directory: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and "id" in record and record["id"] not in seen:
+        if isinstance(record, dict) and _FIELDS <= record.keys() and record["id"] not in seen:
             seen.add(record["id"])
             out.append(record)
     return out

@@ -15,7 +15,8 @@ from lingctl.runs.train_config import Stage
 from lingctl.train import losses
 from lingctl.train.post.batch import PackedBatch
 from lingctl.train.post.examples import Example, Pair
-from lingctl.train.post.objective import Finetuning, example_logps
+from lingctl.train.post.logps import example_logps
+from lingctl.train.post.objective import Finetuning
 from lingctl.train.post.packing import pack
 
 BALANCE, Z = 0.01, 0.001
